@@ -1,0 +1,53 @@
+"""The `tfsplit` command: `tfsplit <command> [args] [--flags]`.
+
+Commands live in their own modules and expose ``main(args)`` returning an exit
+code; this module only dispatches and turns TfsplitError into one stderr line
+with exit code 2 (no traceback for user errors).
+"""
+import importlib
+import os
+import sys
+
+# command name -> (module, one-line help). Modules are imported lazily so that
+# commands that do not need TensorFlow start fast.
+COMMANDS = {
+    "inspect": ("tfsplit.commands.inspect_cmd", "op histogram, variables and layer table of a graph"),
+}
+
+USAGE = "usage: tfsplit <command> [args] [--flags]\n\ncommands:\n" + "\n".join(
+    f"  {name:10s} {help_}" for name, (_, help_) in COMMANDS.items()) + \
+    "\n\nRun 'tfsplit <command> --help' for the flags of one command.\n"
+
+
+def _quiet_tensorflow():
+  # TF's C++ logging would bury our one-line messages.
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def run(argv=None):
+  """Console-script entry point."""
+  argv = list(sys.argv if argv is None else argv)
+  if len(argv) < 2 or argv[1] in ("-h", "--help", "help"):
+    sys.stdout.write(USAGE)
+    return 0 if len(argv) >= 2 else 2
+  command = argv[1]
+  if command not in COMMANDS:
+    sys.stderr.write(f"tfsplit: unknown command '{command}'; choose one of: "
+                     f"{', '.join(COMMANDS)}\n")
+    return 2
+  _quiet_tensorflow()
+  from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+  module = importlib.import_module(COMMANDS[command][0])
+  try:
+    return module.main([f"tfsplit {command}"] + argv[2:])
+  except TfsplitError as e:
+    sys.stderr.write(f"tfsplit {command}: error: {e}\n")
+    return 2
+
+
+def main():
+  sys.exit(run())
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,1 @@
+"""One module per `tfsplit` command; each exposes main(argv) -> exit code."""

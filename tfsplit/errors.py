@@ -1,0 +1,33 @@
+"""One exception family for every user-facing failure.
+
+Each message names the file or node, its op, what is wrong and what to do.
+The CLI prints ``str(error)`` as one line on stderr and exits with code 2.
+"""
+
+
+class TfsplitError(Exception):
+  """Base class: a problem with the user's input or request (not a bug)."""
+
+
+class GraphLoadError(TfsplitError):
+  """A graph file or object could not be read."""
+
+
+class GraphValidationError(TfsplitError):
+  """A GraphDef is structurally invalid (dangling input, cycle, unknown op)."""
+
+
+class UnsupportedOpError(TfsplitError):
+  """An op has no rule for what was asked of it."""
+
+
+class PlanError(TfsplitError):
+  """A plan, mesh or device request that does not fit the graph or machine."""
+
+
+def node_error(cls, node, problem, fix=None):
+  """Builds ``cls`` with a message naming ``node`` (a NodeDef) and its op."""
+  msg = f"node '{node.name}' (op {node.op}): {problem}"
+  if fix:
+    msg += f"; {fix}"
+  return cls(msg)
