@@ -1,0 +1,237 @@
+"""Loading graphs from every place a TF user keeps them, and saving atomically.
+
+`load_graph(source)` accepts a path to a binary GraphDef (.pb), a text
+GraphDef (.pbtxt), a SavedModel directory (one signature), a ConcreteFunction,
+a tf.function (with an input signature), or a GraphDef; it returns a GraphDef
+that is validated (no dangling input, no cycle, only ops TF knows), flat
+(function calls inlined) and annotated (captured variables carry their name,
+shape and dtype; inputs and outputs are marked). Every failure is a
+GraphLoadError / GraphValidationError naming the file or node.
+"""
+import os
+import tempfile
+
+from absl import logging
+from google.protobuf import message as proto_message
+from google.protobuf import text_format
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import op_def_registry
+
+from tfsplit.errors import GraphLoadError, GraphValidationError
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.functions import inline_functions
+from tfsplit.graph.ir import Graph
+
+TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
+
+
+# --- validation ----------------------------------------------------------------
+def validate_graph_def(graph_def, source="graph"):
+  """Raises GraphValidationError if `graph_def` cannot be a runnable graph."""
+  graph = Graph(graph_def)  # duplicate names are refused here
+  library = {f.signature.name for f in graph_def.library.function}
+  for node in graph.nodes:
+    if not node.name:
+      raise GraphValidationError(f"{source}: a node (op {node.op}) has no name")
+    if not node.op:
+      raise GraphValidationError(f"{source}: node '{node.name}' has no op")
+    if node.op not in library and op_def_registry.get(node.op) is None:
+      raise GraphValidationError(
+          f"{source}: node '{node.name}' uses op '{node.op}', which this "
+          "TensorFlow does not know (a custom op? load its library with "
+          "tf.load_op_library before tfsplit, or check the TF version)")
+  dangling = graph.dangling_inputs()
+  if dangling:
+    node, text = dangling[0]
+    raise GraphValidationError(
+        f"{source}: node '{node.name}' (op {node.op}) reads '{text}', but no "
+        f"node '{text.lstrip('^').split(':')[0]}' exists ({len(dangling)} "
+        "dangling input(s)); the graph is incomplete")
+  graph.topological_order()  # raises on a cycle
+  return graph
+
+
+# --- files -----------------------------------------------------------------------
+def _read_graph_file(path):
+  if not os.path.exists(path):
+    raise GraphLoadError(f"{path}: no such file or directory")
+  if os.path.isdir(path):
+    if os.path.exists(os.path.join(path, "saved_model.pb")) or os.path.exists(
+        os.path.join(path, "saved_model.pbtxt")):
+      return None  # a SavedModel; handled by the caller
+    raise GraphLoadError(f"{path}: is a directory but not a SavedModel "
+                         "(no saved_model.pb inside)")
+  with open(path, "rb") as f:
+    data = f.read()
+  if not data:
+    raise GraphLoadError(f"{path}: the file is empty; expected a GraphDef")
+  graph_def = graph_pb2.GraphDef()
+  if path.endswith(TEXT_SUFFIXES):
+    try:
+      text_format.Merge(data.decode("utf-8"), graph_def)
+    except (text_format.ParseError, UnicodeDecodeError) as e:
+      raise GraphLoadError(f"{path}: not a valid text GraphDef: {e}") from None
+  else:
+    try:
+      graph_def.ParseFromString(data)
+    except (proto_message.DecodeError, RuntimeError, ValueError) as e:
+      raise GraphLoadError(
+          f"{path}: not a valid binary GraphDef ({e}); the file is truncated "
+          "or corrupt, or it is a text GraphDef (name it .pbtxt)") from None
+  if not graph_def.node:
+    raise GraphLoadError(f"{path}: the GraphDef holds no nodes (is it a "
+                         "GraphDef, not another protobuf?)")
+  for node in graph_def.node:
+    # Garbage bytes can parse as a GraphDef; real nodes have a name and an op.
+    if not node.name or not node.op:
+      raise GraphLoadError(f"{path}: a node without a name or op; the file is "
+                           "corrupt or not a GraphDef")
+  return graph_def
+
+
+def _load_saved_model(path, signature):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  try:
+    loaded = tf.saved_model.load(path)
+  except Exception as e:  # pylint: disable=broad-except
+    raise GraphLoadError(f"{path}: cannot load the SavedModel: "
+                         f"{str(e).splitlines()[0]}") from None
+  signatures = dict(loaded.signatures)
+  if not signatures:
+    raise GraphLoadError(f"{path}: the SavedModel has no signatures; export it "
+                         "with signatures= or pass a ConcreteFunction instead")
+  key = signature or ("serving_default" if "serving_default" in signatures
+                      else sorted(signatures)[0])
+  if key not in signatures:
+    raise GraphLoadError(f"{path}: no signature '{key}'; it has: "
+                         f"{', '.join(sorted(signatures))}")
+  fn = signatures[key]
+  # Keep the loaded object alive as long as the function (it owns the vars).
+  fn._tfsplit_owner = loaded  # pylint: disable=protected-access
+  return fn
+
+
+# --- tf.function / ConcreteFunction ------------------------------------------------
+def _from_concrete_function(fn):
+  """GraphDef of a ConcreteFunction with captures annotated."""
+  graph = fn.graph
+  graph_def = graph.as_graph_def()
+  nodes = {n.name: n for n in graph_def.node}
+  variables_by_handle = {}
+  for var in graph.variables:
+    handle = getattr(var, "handle", None)
+    if handle is not None:
+      variables_by_handle[id(handle)] = var
+  for external, internal in graph.captures:
+    node = nodes.get(internal.op.name)
+    if node is None:
+      continue
+    var = variables_by_handle.get(id(external))
+    if internal.dtype == types_pb2.DT_RESOURCE or internal.dtype.name == "resource":
+      if var is None:
+        logging.warning("captured resource '%s' is not a known variable; its "
+                        "shape stays unknown", node.name)
+        continue
+      variables_lib.annotate_captured_variable(node, var)
+    else:
+      # A captured eager constant: make the graph self-contained.
+      value = getattr(external, "numpy", None)
+      if value is None:
+        continue
+      from tensorflow.python.framework import tensor_util  # pylint: disable=import-outside-toplevel
+      dtype = node.attr["dtype"].type
+      node.op = "Const"
+      node.ClearField("attr")
+      node.attr["dtype"].type = dtype
+      node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value()))
+  for index, tensor in enumerate(fn.inputs):
+    node = nodes.get(tensor.op.name)
+    if node is not None and node.op == "Placeholder" and (
+        variables_lib.VAR_SHAPE_ATTR not in node.attr) and (
+            node.attr["dtype"].type != types_pb2.DT_RESOURCE):
+      node.attr[variables_lib.INPUT_INDEX_ATTR].i = index
+  for index, tensor in enumerate(fn.outputs):
+    node = nodes.get(tensor.op.name)
+    if node is not None and variables_lib.OUTPUT_INDEX_ATTR not in node.attr:
+      node.attr[variables_lib.OUTPUT_INDEX_ATTR].i = index
+  return graph_def
+
+
+def _is_tf_function(obj):
+  return hasattr(obj, "get_concrete_function") and callable(obj)
+
+
+def load_graph(source, signature=None, input_signature=None, inline=True,
+               validate=True):
+  """Loads `source` as a flat, validated, annotated GraphDef (see module doc)."""
+  label = "graph"
+  if isinstance(source, graph_pb2.GraphDef):
+    graph_def = graph_pb2.GraphDef()
+    graph_def.CopyFrom(source)
+  elif isinstance(source, (str, os.PathLike)):
+    path = os.fspath(source)
+    label = path
+    graph_def = _read_graph_file(path)
+    if graph_def is None:
+      graph_def = _from_concrete_function(_load_saved_model(path, signature))
+  elif _is_tf_function(source):
+    try:
+      fn = (source.get_concrete_function(*input_signature) if input_signature
+            else source.get_concrete_function())
+    except (TypeError, ValueError) as e:
+      raise GraphLoadError(
+          "cannot trace the tf.function: pass input_signature=[tf.TensorSpec"
+          f"(...), ...] matching its arguments ({str(e).splitlines()[0]})") from None
+    graph_def = _from_concrete_function(fn)
+  elif hasattr(source, "graph") and hasattr(source, "captured_inputs"):
+    graph_def = _from_concrete_function(source)
+  else:
+    raise GraphLoadError(
+        f"cannot load a graph from {type(source).__name__}; pass a path "
+        "(.pb, .pbtxt, SavedModel dir), a GraphDef, a ConcreteFunction or a "
+        "tf.function")
+  if validate:
+    validate_graph_def(graph_def, label)
+  if inline and any(n.op in ("PartitionedCall", "StatefulPartitionedCall")
+                    for n in graph_def.node):
+    graph_def = inline_functions(graph_def)
+    if validate:
+      validate_graph_def(graph_def, label)
+  return graph_def
+
+
+# --- saving ----------------------------------------------------------------------
+def save_graph(graph_def, path, as_text=None):
+  """Writes `graph_def` to `path` atomically (temp file in the same dir + rename).
+
+  Text format if `as_text`, or if None and the path ends in .pbtxt. A crash
+  mid-write leaves the old file (or none), never a partial one.
+  """
+  path = os.fspath(path)
+  if as_text is None:
+    as_text = path.endswith(TEXT_SUFFIXES)
+  data = (text_format.MessageToString(graph_def).encode("utf-8") if as_text
+          else graph_def.SerializeToString(deterministic=True))
+  write_atomically(path, data)
+
+
+def write_atomically(path, data):
+  """Writes bytes or str `data` to `path` via a temp file and os.replace."""
+  directory = os.path.dirname(os.path.abspath(path))
+  if not os.path.isdir(directory):
+    raise GraphLoadError(f"{path}: the directory {directory} does not exist")
+  if isinstance(data, str):
+    data = data.encode("utf-8")
+  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
+                             suffix=".tmp", dir=directory)
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(data)
+      f.flush()
+      os.fsync(f.fileno())
+    os.replace(tmp, path)
+  except BaseException:
+    if os.path.exists(tmp):
+      os.unlink(tmp)
+    raise

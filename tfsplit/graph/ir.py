@@ -1,0 +1,266 @@
+"""An indexed, editable view of a GraphDef.
+
+`Graph` keeps the NodeDef protos themselves (no copies per node) plus the
+indexes that every pass needs: nodes by name, parsed inputs, consumers, a
+topological order and unique-name generation. Edits go through its methods so
+the indexes stay true; `to_graph_def()` gives the result back as a GraphDef
+with a stable node order (original order, then added nodes in insertion order),
+which keeps a pass's output byte-identical from run to run.
+"""
+import collections
+
+from tensorflow.core.framework import graph_pb2
+
+from tfsplit.errors import GraphValidationError
+
+# Ops whose data input closes a loop in TF1-style control flow; the edge from
+# them is ignored when ordering (the loop is legal there).
+_LOOP_BACK_OPS = frozenset(["NextIteration", "RefNextIteration"])
+
+
+def parse_input(text):
+  """'^name' -> (name, -1); 'name:3' -> (name, 3); 'name' -> (name, 0)."""
+  if text.startswith("^"):
+    return text[1:], -1
+  name, sep, port = text.rpartition(":")
+  if sep and port.isdigit():
+    return name, int(port)
+  return text, 0
+
+
+def tensor_name(node_name, port=0):
+  """The input string for output `port` of `node_name` ('n' for port 0)."""
+  return node_name if port == 0 else f"{node_name}:{port}"
+
+
+def control_input(node_name):
+  return "^" + node_name
+
+
+class Graph(object):
+  """Indexed view over a GraphDef; the GraphDef's NodeDefs are shared."""
+
+  def __init__(self, graph_def):
+    self._graph_def = graph_def
+    self.library = graph_def.library
+    self.versions = graph_def.versions
+    self._nodes = collections.OrderedDict()
+    for node in graph_def.node:
+      if node.name in self._nodes:
+        raise GraphValidationError(
+            f"node '{node.name}' (op {node.op}) is defined twice; node names "
+            "must be unique in a GraphDef")
+      self._nodes[node.name] = node
+    self._consumers = None  # built lazily: name -> list of (consumer, index)
+    self._used_names = None
+
+  # --- reading ---------------------------------------------------------------
+  def __contains__(self, name):
+    return name in self._nodes
+
+  def __len__(self):
+    return len(self._nodes)
+
+  def node(self, name):
+    try:
+      return self._nodes[name]
+    except KeyError:
+      raise GraphValidationError(f"no node named '{name}' in the graph") from None
+
+  def get(self, name):
+    return self._nodes.get(name)
+
+  @property
+  def nodes(self):
+    """NodeDefs in stable order."""
+    return list(self._nodes.values())
+
+  def node_names(self):
+    return list(self._nodes)
+
+  @staticmethod
+  def inputs(node):
+    """[(source_name, port)] of the data inputs of `node`."""
+    return [parse_input(s) for s in node.input if not s.startswith("^")]
+
+  @staticmethod
+  def control_inputs(node):
+    return [s[1:] for s in node.input if s.startswith("^")]
+
+  def _build_consumers(self):
+    consumers = collections.defaultdict(list)
+    for node in self._nodes.values():
+      for index, text in enumerate(node.input):
+        src, _ = parse_input(text)
+        consumers[src].append((node.name, index))
+    self._consumers = consumers
+
+  def consumers(self, name, port=None):
+    """[(consumer_name, input_index)] reading node `name`.
+
+    port=None: every consumer, data and control; port=k: data consumers of
+    output k; port=-1: control consumers only.
+    """
+    if self._consumers is None:
+      self._build_consumers()
+    result = []
+    for consumer, index in self._consumers.get(name, ()):
+      if port is None:
+        result.append((consumer, index))
+        continue
+      _, p = parse_input(self._nodes[consumer].input[index])
+      if p == port:
+        result.append((consumer, index))
+    return result
+
+  def consumer_nodes(self, name):
+    """Distinct consumer NodeDefs of `name` (data or control), stable order."""
+    seen = collections.OrderedDict()
+    for consumer, _ in self.consumers(name):
+      seen[consumer] = None
+    return [self._nodes[c] for c in seen]
+
+  # --- checks and order ------------------------------------------------------
+  def dangling_inputs(self):
+    """[(node, input_text)] whose source node does not exist."""
+    bad = []
+    for node in self._nodes.values():
+      for text in node.input:
+        if parse_input(text)[0] not in self._nodes:
+          bad.append((node, text))
+    return bad
+
+  def topological_order(self):
+    """Names in an order where every input comes first (Kahn's algorithm).
+
+    Ties keep the original node order, so the result is deterministic.
+    Raises GraphValidationError naming a node on a cycle.
+    """
+    order_index = {name: i for i, name in enumerate(self._nodes)}
+    pending = {}
+    children = collections.defaultdict(list)
+    for name, node in self._nodes.items():
+      count = 0
+      for text in node.input:
+        src, _ = parse_input(text)
+        if src not in self._nodes:
+          raise GraphValidationError(
+              f"node '{name}' (op {node.op}) reads '{text}', but no node "
+              f"'{src}' exists; the graph is incomplete or was cut badly")
+        if self._nodes[src].op in _LOOP_BACK_OPS:
+          continue
+        children[src].append(name)
+        count += 1
+      pending[name] = count
+    import heapq  # pylint: disable=import-outside-toplevel
+    ready = [order_index[n] for n, c in pending.items() if c == 0]
+    heapq.heapify(ready)
+    names = list(self._nodes)
+    order = []
+    while ready:
+      name = names[heapq.heappop(ready)]
+      order.append(name)
+      for child in children.get(name, ()):
+        pending[child] -= 1
+        if pending[child] == 0:
+          heapq.heappush(ready, order_index[child])
+    if len(order) != len(names):
+      stuck = [n for n in names if pending[n] > 0]
+      cycle = self._find_cycle(set(stuck))
+      raise GraphValidationError(
+          f"the graph has a cycle through node '{cycle[0]}' (op "
+          f"{self._nodes[cycle[0]].op}): {' -> '.join(cycle)}; a GraphDef "
+          "must be acyclic (except TF1 while loops through NextIteration)")
+    return order
+
+  def _find_cycle(self, stuck):
+    """A cycle among `stuck` nodes, as a list of names (for error messages)."""
+    start = min(stuck, key=list(self._nodes).index)
+    path, on_path = [], {}
+    node = start
+    while node not in on_path:
+      on_path[node] = len(path)
+      path.append(node)
+      node = next(src for src, _ in (parse_input(t) for t in self._nodes[node].input)
+                  if src in stuck and self._nodes[src].op not in _LOOP_BACK_OPS)
+    return path[on_path[node]:] + [node]
+
+  # --- editing ---------------------------------------------------------------
+  def unique_name(self, base):
+    """`base`, or `base_1`, `base_2`, ... whichever is not taken yet."""
+    if self._used_names is None:
+      self._used_names = set(self._nodes)
+    name, i = base, 0
+    while name in self._used_names or name in self._nodes:
+      i += 1
+      name = f"{base}_{i}"
+    self._used_names.add(name)
+    return name
+
+  def add_node(self, name, op, inputs=(), attrs=None, device=None):
+    """Adds a node named `name` (must be free; see unique_name)."""
+    if name in self._nodes:
+      raise GraphValidationError(f"cannot add node '{name}' (op {op}): the name is taken")
+    node = self._graph_def.node.add()
+    node.name = name
+    node.op = op
+    node.input.extend(inputs)
+    for key, value in (attrs or {}).items():
+      node.attr[key].CopyFrom(value)
+    if device:
+      node.device = device
+    self._nodes[name] = node
+    if self._used_names is not None:
+      self._used_names.add(name)
+    if self._consumers is not None:
+      for index, text in enumerate(node.input):
+        self._consumers[parse_input(text)[0]].append((name, index))
+    return node
+
+  def add_node_def(self, node_def):
+    """Adds a copy of `node_def` (its name must be free)."""
+    node = self.add_node(node_def.name, node_def.op, node_def.input, None,
+                         node_def.device)
+    for key in node_def.attr:
+      node.attr[key].CopyFrom(node_def.attr[key])
+    return node
+
+  def set_inputs(self, name, inputs):
+    node = self._nodes[name]
+    del node.input[:]
+    node.input.extend(inputs)
+    self._consumers = None
+
+  def replace_input(self, name, index, new_text):
+    self._nodes[name].input[index] = new_text
+    self._consumers = None
+
+  def rewire(self, old_tensor, new_tensor):
+    """Makes every data consumer of tensor `old_tensor` read `new_tensor`."""
+    src, port = parse_input(old_tensor)
+    for consumer, index in self.consumers(src, port):
+      self._nodes[consumer].input[index] = new_tensor
+    self._consumers = None
+
+  def remove_nodes(self, names):
+    """Removes nodes; callers must have rewired their consumers first."""
+    names = set(names)
+    keep = [n for n in self._graph_def.node if n.name not in names]
+    del self._graph_def.node[:]
+    self._graph_def.node.extend(keep)
+    # extend() copies; re-point the index at the protos now held by the graph.
+    self._nodes = collections.OrderedDict((n.name, n) for n in self._graph_def.node)
+    self._consumers = None
+
+  def to_graph_def(self):
+    """A new GraphDef: nodes in stable order, library and versions kept."""
+    out = graph_pb2.GraphDef()
+    out.versions.CopyFrom(self._graph_def.versions)
+    out.library.CopyFrom(self._graph_def.library)
+    out.node.extend(self._nodes.values())
+    return out
+
+  @property
+  def graph_def(self):
+    """The underlying GraphDef (edited in place by this object)."""
+    return self._graph_def

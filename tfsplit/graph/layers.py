@@ -1,0 +1,322 @@
+"""Layer detection: forward ops, their gradient ops and their updates, per layer.
+
+Roles come from the graph's structure, layers from name scopes:
+- *forward*: data ancestors of the graph's outputs (the loss of a training
+  step), minus gradient ops;
+- *backward*: ops named `gradient_tape/<forward scope>/...` (TF2) or
+  `gradients/<forward scope>/...` (TF1), plus unscoped ops fed only by them
+  (e.g. the AddN that sums a weight's gradients);
+- *update*: everything else: the optimizer's ops and variable writes.
+
+Layer scopes are found at the depth just below the common scope of all the
+ops that read trainable variables in the forward pass (`gpt/block_3`,
+`functional_1/dense_1`, `model/mha`). Gradient ops belong to the layer of
+the forward scope they differentiate; a variable belongs to the layer that
+reads it in the forward pass; an optimizer slot (Adam's moments) to the layer
+of the gradient its update consumes; update ops to the layer of the variable
+they write (or of all their consumers, when those agree).
+
+Per layer we report parameters, optimizer state, forward/backward FLOPs and
+the bytes of forward activations that the backward pass reads (what must be
+kept, or recomputed, between forward and backward).
+"""
+import collections
+import dataclasses
+import re
+from typing import Dict, List, Optional
+
+from tfsplit.graph import flops as flops_lib
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.ir import Graph, parse_input
+
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+TOP_LAYER = "(top)"          # forward ops above the layer scopes (e.g. the loss)
+OPTIMIZER_LAYER = "(optimizer)"  # update ops shared by all layers
+_GRAD_PREFIX = re.compile(r"^(gradient_tape|gradients(_\d+)?)/")
+_WRITE_OPS_PREFIX = ("Assign", "ResourceApply", "ResourceSparseApply",
+                     "ResourceScatter")
+_VAR_READ_OPS = frozenset(["ReadVariableOp", "ResourceGather"])
+_NOT_ACTIVATIONS = frozenset(["Const", "ReadVariableOp", "VarHandleOp",
+                              "Placeholder", "Shape", "ShapeN", "Size", "Rank"])
+
+
+@dataclasses.dataclass
+class Layer:
+  name: str
+  index: int
+  forward: List[str] = dataclasses.field(default_factory=list)
+  backward: List[str] = dataclasses.field(default_factory=list)
+  update: List[str] = dataclasses.field(default_factory=list)
+  variables: List[str] = dataclasses.field(default_factory=list)  # trainable
+  slots: List[str] = dataclasses.field(default_factory=list)      # optimizer state
+  param_count: int = 0
+  param_bytes: int = 0
+  slot_bytes: int = 0
+  forward_flops: int = 0
+  backward_flops: int = 0
+  activation_bytes: int = 0
+
+  def as_dict(self):
+    d = dataclasses.asdict(self)
+    for key in ("forward", "backward", "update"):
+      d[key + "_ops"] = len(d.pop(key))
+    return d
+
+
+@dataclasses.dataclass
+class LayerReport:
+  layers: List[Layer]
+  role: Dict[str, str]          # node -> forward/backward/update
+  layer_of: Dict[str, str]      # node -> layer name
+  variable_layer: Dict[str, str]  # variable handle node -> layer name
+  depth: int
+
+  def layer(self, name):
+    return next(l for l in self.layers if l.name == name)
+
+  @property
+  def model_layers(self):
+    """Layers that hold trainable parameters (what pipelining cuts)."""
+    return [l for l in self.layers if l.variables]
+
+
+def _strip_grad(name):
+  m = _GRAD_PREFIX.match(name)
+  return (name[m.end():], True) if m else (name, False)
+
+
+def _scope(name):
+  return name.split("/")[:-1]
+
+
+def _is_write(node):
+  return node.op.startswith(_WRITE_OPS_PREFIX) and node.op not in ("Assert",)
+
+
+def graph_outputs(graph):
+  """Output node names: marked by tfsplit's loader, else data-producing sinks."""
+  marked = [(n.attr[variables_lib.OUTPUT_INDEX_ATTR].i, n.name) for n in graph.nodes
+            if variables_lib.OUTPUT_INDEX_ATTR in n.attr]
+  if marked:
+    return [name for _, name in sorted(marked)]
+  return [n.name for n in graph.nodes
+          if not graph.consumers(n.name) and n.op not in ("NoOp",)
+          and not _is_write(n)]
+
+
+def _data_ancestors(graph, roots):
+  seen, stack = set(), list(roots)
+  while stack:
+    name = stack.pop()
+    if name in seen:
+      continue
+    seen.add(name)
+    for src, port in Graph.inputs(graph.node(name)):
+      if src not in seen:
+        stack.append(src)
+  return seen
+
+
+def _common_prefix(paths):
+  if not paths:
+    return []
+  prefix = list(paths[0])
+  for path in paths[1:]:
+    i = 0
+    while i < len(prefix) and i < len(path) and prefix[i] == path[i]:
+      i += 1
+    prefix = prefix[:i]
+  return prefix
+
+
+def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
+  """LayerReport for a Graph (or GraphDef).
+
+  shapes: a ShapeMap (for FLOPs and bytes; inferred if None).
+  depth: force the scope depth of layers (default: found from the graph).
+  """
+  if not isinstance(graph, Graph):
+    graph = Graph(graph)
+  if variables is None:
+    variables = variables_lib.find_variables(graph)
+  if shapes is None:
+    from tfsplit.graph.shapes import infer_shapes  # pylint: disable=import-outside-toplevel
+    shapes = infer_shapes(graph, variables)
+  order = order or graph.topological_order()
+  var_nodes = {v.node: v for v in variables}
+
+  # 1. Roles.
+  stripped = {}
+  role = {}
+  for name in order:
+    base, is_grad = _strip_grad(name)
+    stripped[name] = base
+    if is_grad:
+      role[name] = BACKWARD
+  forward_set = _data_ancestors(graph, graph_outputs(graph))
+  for name in order:
+    if name in role:
+      continue
+    node = graph.node(name)
+    data_in = [src for src, _ in Graph.inputs(node)]
+    if name in forward_set and not any(role.get(s) == BACKWARD for s in data_in):
+      role[name] = FORWARD
+    elif data_in and not _is_write(node) and node.op != "IdentityN" and any(
+        role.get(s) == BACKWARD for s in data_in) and all(
+            role.get(s) in (BACKWARD, FORWARD) for s in data_in):
+      role[name] = BACKWARD  # e.g. the AddN summing one weight's gradients
+    else:
+      role[name] = UPDATE
+  for name in var_nodes:  # handles are bookkeeping, not compute
+    role[name] = FORWARD if name in forward_set else UPDATE
+
+  # 2. Layer depth from forward reads of trainable variables.
+  def is_trainable_handle(src):
+    v = var_nodes.get(src)
+    return v is not None and v.trainable is not False
+  reader_scopes = []
+  for name in order:
+    node = graph.node(name)
+    if role[name] == FORWARD and node.op in _VAR_READ_OPS and node.input and \
+        is_trainable_handle(parse_input(node.input[0])[0]):
+      reader_scopes.append(_scope(stripped[name]))
+  if depth is None:
+    depth = len(_common_prefix(reader_scopes)) + 1 if reader_scopes else 1
+    if reader_scopes and all(len(s) < depth for s in reader_scopes):
+      depth = max(1, depth - 1)
+
+  def layer_key(name):
+    scope = _scope(stripped[name])
+    if len(scope) >= depth:
+      return "/".join(scope[:depth])
+    return "/".join(scope) if scope else TOP_LAYER
+
+  # 3. Forward layers, ordered by first forward op.
+  layers = collections.OrderedDict()
+  layer_of = {}
+  for name in order:
+    if role[name] == FORWARD and name not in var_nodes:
+      key = layer_key(name)
+      layers.setdefault(key, Layer(key, len(layers)))
+      layer_of[name] = key
+
+  def get_layer(key):
+    if key not in layers:
+      layers[key] = Layer(key, len(layers))
+    return layers[key]
+
+  # Variables: the layer of their first forward read.
+  variable_layer = {}
+  for name in order:
+    node = graph.node(name)
+    if role[name] == FORWARD and node.op in _VAR_READ_OPS and node.input:
+      src = parse_input(node.input[0])[0]
+      if src in var_nodes and src not in variable_layer:
+        variable_layer[src] = layer_of[name]
+
+  # 4. Backward ops: the layer of the forward scope they differentiate.
+  for name in order:
+    if role[name] != BACKWARD:
+      continue
+    key = layer_key(name)
+    if key not in layers:
+      # Unscoped gradient op (e.g. a top-level AddN): layer of its inputs.
+      keys = [layer_of.get(s) for s, _ in Graph.inputs(graph.node(name))
+              if role.get(s) == BACKWARD and s in layer_of]
+      key = keys[0] if keys else TOP_LAYER
+    get_layer(key)
+    layer_of[name] = key
+
+  # 5. Variables with no forward read (optimizer slots): layer of the
+  # gradient that reaches their update.
+  def nearest_backward_layer(start):
+    # Walks tensors, not nodes: an IdentityN (Keras passes all gradients
+    # through one) forwards output k from input k only.
+    seen = set()
+    queue = collections.deque(
+        parse_input(t) for t in graph.node(start).input if not t.startswith("^"))
+    while queue:
+      src, port = queue.popleft()
+      if (src, port) in seen:
+        continue
+      seen.add((src, port))
+      node = graph.node(src)
+      if role.get(src) == BACKWARD and node.op != "IdentityN":
+        return layer_of.get(src)
+      if node.op == "IdentityN":
+        data = [t for t in node.input if not t.startswith("^")]
+        if port < len(data):
+          queue.append(parse_input(data[port]))
+      elif role.get(src) == UPDATE:
+        queue.extend(parse_input(t) for t in node.input if not t.startswith("^"))
+    return None
+
+  writes = [n for n in order if role[n] == UPDATE and _is_write(graph.node(n))]
+  for name in writes:
+    node = graph.node(name)
+    handle = parse_input(node.input[0])[0] if node.input else None
+    if handle in var_nodes and handle not in variable_layer:
+      key = nearest_backward_layer(name)
+      if key is not None:
+        variable_layer[handle] = key
+
+  # 6. Update ops: the layer of the variable written; others follow consumers.
+  for name in writes:
+    handle = parse_input(graph.node(name).input[0])[0]
+    layer_of[name] = variable_layer.get(handle, OPTIMIZER_LAYER)
+  for name in reversed(order):
+    if role[name] != UPDATE or name in layer_of:
+      continue
+    keys = {layer_of.get(c.name) for c in graph.consumer_nodes(name)
+            if role.get(c.name) == UPDATE}
+    keys.discard(None)
+    if name in var_nodes:
+      keys = {variable_layer.get(name, OPTIMIZER_LAYER)}
+    layer_of[name] = keys.pop() if len(keys) == 1 else OPTIMIZER_LAYER
+  for name in order:
+    layer_of.setdefault(name, TOP_LAYER)
+    get_layer(layer_of[name])
+
+  # 7. Membership and statistics.
+  for name in order:
+    if name in var_nodes:
+      continue
+    layer = layers[layer_of[name]]
+    getattr(layer, role[name]).append(name)
+    f = flops_lib.op_flops(graph.node(name), shapes)
+    if role[name] == FORWARD:
+      layer.forward_flops += f
+    elif role[name] == BACKWARD:
+      layer.backward_flops += f
+  for handle, var in var_nodes.items():
+    key = variable_layer.get(handle, OPTIMIZER_LAYER)
+    layer_of[handle] = key
+    layer = get_layer(key)
+    is_param = handle in variable_layer and var.trainable is not False and \
+        role[handle] == FORWARD
+    if is_param:
+      layer.variables.append(handle)
+      layer.param_count += var.num_elements or 0
+      layer.param_bytes += var.num_bytes or 0
+    else:
+      layer.slots.append(handle)
+      layer.slot_bytes += var.num_bytes or 0
+  kept = set()
+  for name in order:
+    if role[name] != BACKWARD:
+      continue
+    for text in graph.node(name).input:
+      src, port = parse_input(text)
+      if port >= 0 and role.get(src) == FORWARD and src not in var_nodes and \
+          graph.node(src).op not in _NOT_ACTIVATIONS:
+        kept.add((src, port))
+  for src, port in sorted(kept):
+    info = shapes.get(f"{src}:{port}")
+    if info is not None and info.num_bytes:
+      layers[layer_of[src]].activation_bytes += info.num_bytes
+
+  ordered = sorted(layers.values(), key=lambda l: (
+      l.name in (TOP_LAYER, OPTIMIZER_LAYER) and not l.forward, l.index))
+  for i, layer in enumerate(ordered):
+    layer.index = i
+  return LayerReport(ordered, role, layer_of, variable_layer, depth)
