@@ -14,14 +14,35 @@ COMMANDS = {
     "inspect": ("tfsplit.commands.inspect_cmd", "op histogram, variables and layer table of a graph"),
 }
 
+# Commands that can run without importing TensorFlow (e.g. a size-only estimate).
+LIGHT_COMMANDS = frozenset(["estimate"])
+
 USAGE = "usage: tfsplit <command> [args] [--flags]\n\ncommands:\n" + "\n".join(
     f"  {name:10s} {help_}" for name, (_, help_) in COMMANDS.items()) + \
     "\n\nRun 'tfsplit <command> --help' for the flags of one command.\n"
 
 
 def _quiet_tensorflow():
-  # TF's C++ logging would bury our one-line messages.
+  """Imports TensorFlow with its C++ start-up chatter sent to /dev/null.
+
+  TF prints several lines on stderr when it loads (oneDNN, CUDA stubs), even
+  with TF_CPP_MIN_LOG_LEVEL set; they would bury our one-line messages.
+  """
   os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  if os.environ.get("TFSPLIT_VERBOSE_TF"):
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, 2)
+    import tensorflow  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    pass  # reported below, with stderr back, when a command needs it
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
 
 
 def run(argv=None):
@@ -35,7 +56,8 @@ def run(argv=None):
     sys.stderr.write(f"tfsplit: unknown command '{command}'; choose one of: "
                      f"{', '.join(COMMANDS)}\n")
     return 2
-  _quiet_tensorflow()
+  if command not in LIGHT_COMMANDS:
+    _quiet_tensorflow()
   from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
   module = importlib.import_module(COMMANDS[command][0])
   try:

@@ -1,0 +1,1 @@
+"""Running rewritten graphs: callables, multi-worker launch, verification."""
