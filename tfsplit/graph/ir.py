@@ -235,11 +235,12 @@ class Graph(object):
     self._nodes[name].input[index] = new_text
     self._consumers = None
 
-  def rewire(self, old_tensor, new_tensor):
-    """Makes every data consumer of tensor `old_tensor` read `new_tensor`."""
+  def rewire(self, old_tensor, new_tensor, exclude=()):
+    """Makes every data consumer of `old_tensor` (but `exclude`) read `new_tensor`."""
     src, port = parse_input(old_tensor)
     for consumer, index in self.consumers(src, port):
-      self._nodes[consumer].input[index] = new_tensor
+      if consumer not in exclude:
+        self._nodes[consumer].input[index] = new_tensor
     self._consumers = None
 
   def remove_nodes(self, names):

@@ -103,6 +103,22 @@ def _inference_copy(graph, var_shapes):
       new.attr["shared_name"].s = node.name.encode()
       new.attr["container"].s = b""
       continue
+    if node.op == "Placeholder" and "shape" in node.attr and \
+        not node.attr["shape"].shape.unknown_rank:
+      # Grappler treats placeholders as feeds and forgets their batch size;
+      # a read of a variable with the same shape keeps every dimension.
+      handle = out.node.add()
+      handle.name = node.name + "/_tfsplit_shape_source"
+      handle.op = "VarHandleOp"
+      handle.attr["dtype"].type = node.attr["dtype"].type
+      handle.attr["shape"].CopyFrom(node.attr["shape"])
+      handle.attr["shared_name"].s = handle.name.encode()
+      handle.attr["container"].s = b""
+      new.name = node.name
+      new.op = "ReadVariableOp"
+      new.input.append(handle.name)
+      new.attr["dtype"].type = node.attr["dtype"].type
+      continue
     new.CopyFrom(node)
     new.device = ""
   return out
@@ -159,6 +175,8 @@ def infer_shapes(graph, variables=None):
     props = _run_inference(graph, var_shapes)
     shapes = ShapeMap({name: [_tensor_info(p) for p in outs]
                        for name, outs in props.items()})
+  for name in [n for n in shapes.by_node if n.endswith("/_tfsplit_shape_source")]:
+    del shapes.by_node[name]
   for node in graph.nodes:  # nodes Grappler skipped (none expected)
     if node.name not in shapes.by_node:
       shapes.by_node[node.name] = []
