@@ -1,0 +1,1 @@
+"""Cost model: cluster spec, collective costs, and the event simulator."""
