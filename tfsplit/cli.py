@@ -12,6 +12,7 @@ import sys
 # commands that do not need TensorFlow start fast.
 COMMANDS = {
     "inspect": ("tfsplit.commands.inspect_cmd", "op histogram, variables and layer table of a graph"),
+    "estimate": ("tfsplit.commands.estimate_cmd", "memory of model states from a parameter count; pipeline bubble simulation"),
 }
 
 # Commands that can run without importing TensorFlow (e.g. a size-only estimate).

@@ -1,0 +1,1 @@
+"""Memory: size-only estimates of model states (and later recompute, offload)."""
