@@ -35,6 +35,7 @@ OPTIMIZER_LAYER = "(optimizer)"  # update ops shared by all layers
 _GRAD_PREFIX = re.compile(r"^(gradient_tape|gradients(_\d+)?)/")
 _WRITE_OPS_PREFIX = ("Assign", "ResourceApply", "ResourceSparseApply",
                      "ResourceScatter")
+_MAX_GRADIENT_SEARCH = 256
 _VAR_READ_OPS = frozenset(["ReadVariableOp", "ResourceGather"])
 _NOT_ACTIVATIONS = frozenset(["Const", "ReadVariableOp", "VarHandleOp",
                               "Placeholder", "Shape", "ShapeN", "Size", "Rank"])
@@ -232,10 +233,12 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   def nearest_backward_layer(start):
     # Walks tensors, not nodes: an IdentityN (Keras passes all gradients
     # through one) forwards output k from input k only.
+    # The gradient sits a few ops above a slot update; the bound keeps this
+    # linear on graphs where a write has no gradient above it (counters).
     seen = set()
     queue = collections.deque(
         parse_input(t) for t in graph.node(start).input if not t.startswith("^"))
-    while queue:
+    while queue and len(seen) < _MAX_GRADIENT_SEARCH:
       src, port = queue.popleft()
       if (src, port) in seen:
         continue
