@@ -1,0 +1,45 @@
+"""Example model zoo: the same MLP and GPT in raw TF, Keras 3 and tf_keras.
+
+    from tfsplit import models
+    ex = models.build("gpt_keras3", size="tiny", seed=0)
+    loss = ex.train_step(*ex.make_inputs("train", seed=1))
+    graph_fn = ex.concrete("train")   # ConcreteFunction, static shapes
+
+Names are `<family>_<flavor>` with family in {mlp, gpt} and flavor in {raw,
+keras3, tfkeras}; sizes are tiny (tests), small (demos) and large (48-block
+GPT for benchmarking graph passes). Weights come from `seed` only.
+"""
+import time
+
+from absl import logging
+
+from tfsplit.models.example import (CONFIGS, FLAVORS, KINDS, NAMES, SIZES,
+                                    ExampleModel, GptConfig, MlpConfig)
+
+
+def build(name, size="tiny", seed=0, batch_size=None):
+  """Builds example `name` at `size`; returns an ExampleModel.
+
+  batch_size overrides the size's default (static) batch size.
+  """
+  from tfsplit.models import example
+  family, flavor = example.split_name(name)
+  cfg = example.config_for(family, size, batch_size)
+  start = time.time()
+  if flavor == "raw":
+    from tfsplit.models import raw
+    ex = raw.build(family, name, size, cfg, seed)
+  else:
+    from tfsplit.models import keras_models
+    if flavor == "keras3":
+      import keras as K
+    else:
+      import tf_keras as K
+    ex = keras_models.build(K, name, size, cfg, seed)
+  logging.info("built example %s (%s, seed %d) in %.1fs", name, size, seed,
+               time.time() - start)
+  return ex
+
+
+__all__ = ["CONFIGS", "FLAVORS", "KINDS", "NAMES", "SIZES", "ExampleModel",
+           "GptConfig", "MlpConfig", "build"]
