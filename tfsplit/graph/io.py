@@ -226,6 +226,10 @@ def write_atomically(path, data):
   fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
                              suffix=".tmp", dir=directory)
   try:
+    # mkstemp makes 0600 files; give the result the usual umask permissions.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
     with os.fdopen(fd, "wb") as f:
       f.write(data)
       f.flush()
