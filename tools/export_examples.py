@@ -51,7 +51,8 @@ def export_one(name, size, kinds, out_dir, seed):
   # counter-named captures do not depend on --kinds.
   for kind in models.KINDS:
     start = time.time()
-    graph_def = load_graph(ex.concrete(kind))
+    graph_def = load_graph(ex.concrete(kind), variable_names=list(
+        zip(ex.all_variables(), ex.variable_names())))
     if kind not in kinds:
       continue
     path = output_path(out_dir, name, kind, size)

@@ -113,9 +113,21 @@ def _load_saved_model(path, signature):
 
 
 # --- tf.function / ConcreteFunction ------------------------------------------------
-def _from_concrete_function(fn):
-  """GraphDef of a ConcreteFunction with captures annotated."""
+def _from_concrete_function(fn, variable_names=None):
+  """GraphDef of a ConcreteFunction with captures annotated.
+
+  variable_names: optional [(variable, name)] giving each captured variable
+  its unique name (Keras 3 names the tf.Variable behind every Dense kernel
+  'kernel'; its unique path lives only on the Keras object). Names still
+  shared by several variables get a '_1', '_2', ... suffix in capture order.
+  """
   graph = fn.graph
+  explicit = {}
+  for var, name in (variable_names or ()):
+    handle = getattr(var, "handle", None)
+    if handle is None and getattr(var, "value", None) is not None:
+      handle = var.value.handle  # a Keras 3 variable
+    explicit[id(handle)] = name
   graph_def = graph.as_graph_def()
   nodes = {n.name: n for n in graph_def.node}
   variables_by_handle = {}
@@ -133,7 +145,7 @@ def _from_concrete_function(fn):
         logging.warning("captured resource '%s' is not a known variable; its "
                         "shape stays unknown", node.name)
         continue
-      variables_lib.annotate_captured_variable(node, var)
+      variables_lib.annotate_captured_variable(node, var, explicit.get(id(external)))
     else:
       # A captured eager constant: make the graph self-contained.
       value = getattr(external, "numpy", None)
@@ -145,6 +157,7 @@ def _from_concrete_function(fn):
       node.ClearField("attr")
       node.attr["dtype"].type = dtype
       node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value()))
+  _uniquify_variable_names(graph_def)
   for index, tensor in enumerate(fn.inputs):
     node = nodes.get(tensor.op.name)
     if node is not None and node.op == "Placeholder" and (
@@ -158,13 +171,37 @@ def _from_concrete_function(fn):
   return graph_def
 
 
+def _uniquify_variable_names(graph_def):
+  seen = {}
+  for node in graph_def.node:
+    if variables_lib.VAR_NAME_ATTR not in node.attr:
+      continue
+    name = node.attr[variables_lib.VAR_NAME_ATTR].s.decode()
+    count = seen.get(name, 0)
+    seen[name] = count + 1
+    if count:
+      unique = f"{name}_{count}"
+      while unique in seen:
+        count += 1
+        unique = f"{name}_{count}"
+      seen[unique] = 1
+      logging.warning("two captured variables are both named '%s'; calling the "
+                      "one read by '%s' '%s' (pass variable_names= to load_graph "
+                      "to name them)", name, node.name, unique)
+      node.attr[variables_lib.VAR_NAME_ATTR].s = unique.encode()
+
+
 def _is_tf_function(obj):
   return hasattr(obj, "get_concrete_function") and callable(obj)
 
 
 def load_graph(source, signature=None, input_signature=None, inline=True,
-               validate=True):
-  """Loads `source` as a flat, validated, annotated GraphDef (see module doc)."""
+               validate=True, variable_names=None):
+  """Loads `source` as a flat, validated, annotated GraphDef (see module doc).
+
+  variable_names: [(variable, unique name)] for functions whose variables do
+  not have unique names (Keras 3 models: use `var.path`).
+  """
   label = "graph"
   if isinstance(source, graph_pb2.GraphDef):
     graph_def = graph_pb2.GraphDef()
@@ -183,9 +220,9 @@ def load_graph(source, signature=None, input_signature=None, inline=True,
       raise GraphLoadError(
           "cannot trace the tf.function: pass input_signature=[tf.TensorSpec"
           f"(...), ...] matching its arguments ({str(e).splitlines()[0]})") from None
-    graph_def = _from_concrete_function(fn)
+    graph_def = _from_concrete_function(fn, variable_names)
   elif hasattr(source, "graph") and hasattr(source, "captured_inputs"):
-    graph_def = _from_concrete_function(source)
+    graph_def = _from_concrete_function(source, variable_names)
   else:
     raise GraphLoadError(
         f"cannot load a graph from {type(source).__name__}; pass a path "

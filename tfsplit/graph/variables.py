@@ -77,9 +77,9 @@ def is_variable_node(node):
           node.attr["dtype"].type == types_pb2.DT_RESOURCE)
 
 
-def annotate_captured_variable(node, variable):
+def annotate_captured_variable(node, variable, name=None):
   """Records a tf.Variable's name, shape, dtype on its capture placeholder."""
-  name = getattr(variable, "path", None) or variable.name
+  name = name or getattr(variable, "path", None) or variable.name
   if name.endswith(":0"):
     name = name[:-2]
   node.attr[VAR_NAME_ATTR].s = name.encode()

@@ -33,7 +33,8 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
   """A ConcreteFunction running `graph_def` on `variables`.
 
   variables: tf.Variables (or Keras variables) whose names match the graph's
-    captured-variable annotations; extra ones are ignored.
+    captured-variable annotations, or a dict {recorded name: variable};
+    extra ones are ignored.
   inputs / outputs: node or tensor names; default: the ones tfsplit marked
     when loading (the original function's arguments and results).
   """
@@ -41,12 +42,12 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
   graph = Graph(graph_def)
   inputs = list(inputs) if inputs is not None else graph_inputs(graph)
   outputs = list(outputs) if outputs is not None else graph_outputs(graph)
+  pairs = variables.items() if isinstance(variables, dict) else [
+      (variable_key(v), v) for v in variables]
   by_key = {}
-  for var in variables:
-    backing = getattr(var, "value", None)
+  for key, var in pairs:
     # Keras 3 variables wrap a tf.Variable in `.value`.
-    handle_owner = var if hasattr(var, "handle") else backing
-    by_key[variable_key(var)] = handle_owner
+    by_key[key] = var if hasattr(var, "handle") else var.value
   captures = {}
   for info in variables_lib.find_variables(graph):
     if info.kind != "captured":
