@@ -1,0 +1,161 @@
+"""Folding of static shape arithmetic into constants.
+
+Real graphs compute shapes at run time (Shape -> StridedSlice -> Pack ->
+Reshape, Prod(Shape) -> Cast -> RealDiv for a mean). After a split, such
+computations would see *local* sizes and silently change meaning. When the
+static shapes are known we evaluate them once, on the global graph, and
+replace them by Const nodes holding the global values; the split rules then
+derive local values explicitly from the sharding.
+"""
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import attr_value_pb2
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import tensor_util
+
+from tfsplit.graph.ir import Graph, parse_input
+
+_SHAPE_OPS = frozenset(["Shape", "Size", "Rank", "ShapeN"])
+_MAX_ELEMENTS = 4096  # never fold anything but small metadata tensors
+_NEVER_FOLD = frozenset(["Placeholder", "PlaceholderWithDefault", "VarHandleOp",
+                         "ReadVariableOp", "NoOp", "Const", "Identity", "IdentityN"])
+
+
+def _const_node(name, value, device=""):
+  node = node_def_pb2.NodeDef()
+  node.name = name
+  node.op = "Const"
+  node.device = device
+  node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+  node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+  return node
+
+
+def const_value(node):
+  """numpy value of a Const NodeDef."""
+  return tensor_util.MakeNdarray(node.attr["value"].tensor)
+
+
+def _is_stateful(op):
+  op_def = op_def_registry.get(op)
+  return op_def is None or op_def.is_stateful
+
+
+def fold_static_shapes(graph_def, shapes):
+  """GraphDef -> GraphDef with static shape computations replaced by Consts.
+
+  Only nodes whose value depends on shapes and constants alone, whose outputs
+  are small, and whose op is stateless are folded; names are kept, so
+  consumers are untouched.
+  """
+  graph = Graph(graph_def)
+  order = graph.topological_order()
+  foldable = set()
+  for name in order:
+    node = graph.node(name)
+    if node.op in _NEVER_FOLD or _is_stateful(node.op):
+      continue
+    outs = shapes[name] if name in shapes else []
+    if not outs or any(o.num_elements is None or o.num_elements > _MAX_ELEMENTS
+                       for o in outs):
+      continue
+    data = [parse_input(t) for t in node.input if not t.startswith("^")]
+    if node.op in _SHAPE_OPS:
+      if all(shapes.get(f"{s}:{p}") is not None and shapes.get(f"{s}:{p}").fully_defined
+             for s, p in data):
+        foldable.add(name)
+      continue
+    if data and all(s in foldable or graph.node(s).op == "Const" for s, _ in data):
+      foldable.add(name)
+  # Only fold what something non-foldable consumes (the frontier).
+  targets = [n for n in order if n in foldable and any(
+      c.name not in foldable for c in graph.consumer_nodes(n))]
+  if not targets:
+    return graph_def
+  values = _evaluate(graph, targets, foldable, shapes)
+  out = graph_pb2.GraphDef()
+  out.versions.CopyFrom(graph_def.versions)
+  out.library.CopyFrom(graph_def.library)
+  needed = set(targets)
+  for node in graph.nodes:
+    if node.name in needed:
+      outs = values[node.name]
+      if len(outs) == 1:
+        out.node.add().CopyFrom(_const_node(node.name, outs[0], node.device))
+        continue
+      # Multi-output (ShapeN): keep an IdentityN over one Const per output.
+      names = []
+      for i, v in enumerate(outs):
+        c = _const_node(f"{node.name}/folded_{i}", v, node.device)
+        out.node.add().CopyFrom(c)
+        names.append(c.name)
+      ident = out.node.add()
+      ident.name, ident.op, ident.device = node.name, "IdentityN", node.device
+      ident.input.extend(names)
+      ident.attr["T"].CopyFrom(attr_value_pb2.AttrValue(
+          list=attr_value_pb2.AttrValue.ListValue(
+              type=[tf.as_dtype(v.dtype).as_datatype_enum for v in outs])))
+      continue
+    if node.name in foldable:
+      continue  # interior of a folded computation: no longer used
+    out.node.add().CopyFrom(node)
+  return out
+
+
+def _evaluate(graph, targets, foldable, shapes):
+  """Values of `targets`, computed in a private graph from constants only."""
+  g = graph_pb2.GraphDef()
+  g.versions.CopyFrom(graph.versions)
+  needed, stack = set(), list(targets)
+  while stack:
+    name = stack.pop()
+    if name in needed:
+      continue
+    needed.add(name)
+    for src, _ in (parse_input(t) for t in graph.node(name).input if not t.startswith("^")):
+      stack.append(src)
+  for name in graph.topological_order():
+    if name not in needed:
+      continue
+    node = graph.node(name)
+    if node.op in _SHAPE_OPS and name in foldable:
+      data = [parse_input(t) for t in node.input if not t.startswith("^")]
+      out_type = tf.as_dtype(node.attr["out_type"].type) if "out_type" in node.attr else tf.int32
+      if node.op == "ShapeN":
+        vals = [np.array(shapes.get(f"{s}:{p}").shape, out_type.as_numpy_dtype)
+                for s, p in data]
+        # Pack the N shapes into separate consts behind an IdentityN.
+        names = []
+        for i, v in enumerate(vals):
+          c = _const_node(f"{name}/_fold_{i}", v)
+          g.node.add().CopyFrom(c)
+          names.append(c.name)
+        ident = g.node.add(name=name, op="IdentityN", input=names)
+        ident.attr["T"].list.type.extend(
+            [tf.as_dtype(v.dtype).as_datatype_enum for v in vals])
+        continue
+      info = shapes.get(f"{data[0][0]}:{data[0][1]}")
+      if node.op == "Shape":
+        value = np.array(info.shape, out_type.as_numpy_dtype)
+      elif node.op == "Size":
+        value = np.array(int(np.prod(info.shape)), out_type.as_numpy_dtype)
+      else:
+        value = np.array(len(info.shape), np.int32)
+      g.node.add().CopyFrom(_const_node(name, value))
+      continue
+    new = g.node.add()
+    new.CopyFrom(node)
+    new.device = ""
+    del new.input[:]
+    new.input.extend(t for t in node.input if not t.startswith("^"))
+  with tf.Graph().as_default() as tmp:
+    tf.graph_util.import_graph_def(g, name="")
+    fetches = {}
+    for name in targets:
+      op = tmp.get_operation_by_name(name)
+      fetches[name] = list(op.outputs)
+    with tf.compat.v1.Session(graph=tmp) as sess:
+      result = sess.run(fetches)
+  return {k: [np.asarray(v) for v in vals] for k, vals in result.items()}

@@ -1,0 +1,1 @@
+"""Sharding specs over device meshes, propagation, resharding, materialization."""

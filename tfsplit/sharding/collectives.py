@@ -1,0 +1,44 @@
+"""NodeDefs for TF's collective ops (CollectiveReduceV2, CollectiveGatherV2).
+
+Templates are taken from TF itself once (so every required attr has its
+current default), then filled in with names, devices, inputs and keys.
+"""
+import functools
+
+import tensorflow as tf
+from tensorflow.core.framework import node_def_pb2
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+
+
+@functools.lru_cache(maxsize=None)
+def _template(op):
+  with tf.Graph().as_default() as g:
+    x = tf.compat.v1.placeholder(tf.float32, [2])
+    if op == "CollectiveReduceV2":
+      tf.raw_ops.CollectiveReduceV2(input=x, group_size=2, group_key=1, instance_key=1,
+                                    ordering_token=[], merge_op="Add", final_op="Id",
+                                    communication_hint="auto",
+                                    timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+    elif op == "CollectiveGatherV2":
+      tf.raw_ops.CollectiveGatherV2(input=x, group_size=2, group_key=1, instance_key=1,
+                                    ordering_token=[], communication_hint="auto",
+                                    timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+    else:
+      raise ValueError(op)
+    node = next(n for n in g.as_graph_def().node if n.op == op)
+  return node.SerializeToString()
+
+
+def collective_node(op, name, device, inputs, dtype_enum, timeout_seconds=None):
+  """A collective NodeDef; `inputs` = [tensor, group_size, group_key, instance_key]."""
+  node = node_def_pb2.NodeDef()
+  node.ParseFromString(_template(op))
+  node.name = name
+  node.device = device
+  del node.input[:]
+  node.input.extend(inputs)
+  node.attr["T"].type = dtype_enum
+  if timeout_seconds is not None:
+    node.attr["timeout_seconds"].f = timeout_seconds
+  return node

@@ -1,0 +1,361 @@
+"""Materialization: one copy of every op per device, with local shapes, and
+the collectives that move tensors between shardings.
+
+For every tensor that reaches a consumer in another sharding than the one it
+was produced in, the cheapest correct transition is inserted once and shared
+by all consumers: all-reduce (partial -> whole), all-gather (split ->
+replicated), local slice (replicated -> split, no communication). Control
+edges are only ever copied within one device, so the members of a collective
+are never ordered against each other across devices.
+
+Names: the copy of node `n` on logical device d is `n/shard_d`; the graph's
+outputs keep their original names (on device 0) so callers see the same
+signature. Variables become one variable per device, recorded in a manifest.
+"""
+import dataclasses
+
+import numpy as np
+import tensorflow as tf
+from absl import logging
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import tensor_util
+
+from tfsplit.errors import PlanError
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.ir import parse_input
+from tfsplit.graph.layers import graph_outputs
+from tfsplit.sharding.collectives import collective_node
+from tfsplit.sharding.spec import Sharding
+
+
+def local_name(name, device_id):
+  return f"{name}/shard_{device_id}"
+
+
+def shard_variable_name(var_name, device_id):
+  return f"{var_name}/shard_{device_id}"
+
+
+def _tensor(name, port):
+  return name if port == 0 else f"{name}:{port}"
+
+
+@dataclasses.dataclass
+class CollectiveRecord:
+  kind: str          # all_reduce / all_gather
+  axis: str
+  tensor: str        # the original tensor it moves
+  consumer: str      # the op that required it first
+  num_elements: int  # global elements of the tensor
+
+
+class _LocalizeContext(object):
+  """What a rule's `localize` may do to one device's copy of a node."""
+
+  def __init__(self, mat, node, original, decision, device_id, data_positions, in_infos):
+    self.mat, self.node, self.original = mat, node, original
+    self.decision, self.device_id = decision, device_id
+    self._positions, self._in_infos = data_positions, in_infos
+
+  def local_out_shape(self, k=0):
+    info = self.mat.shapes[self.original.name][k]
+    return self.decision.outputs[k].local_shape(
+        info.shape, self.mat.mesh, f"node '{self.original.name}' (op {self.original.op})")
+
+  def input_dtype(self, i):
+    return tf.as_dtype(self._in_infos[i].dtype).as_numpy_dtype
+
+  def const_input(self, i, value):
+    name = self.mat.unique(f"{self.node.name}/local_input_{i}")
+    self.mat.add(_const(name, np.asarray(value), self.node.device))
+    self.node.input[self._positions[i]] = name
+
+  def scale_output(self, factor):
+    """Renames the local node and multiplies its output 0 by `factor`."""
+    final = self.node.name
+    self.node.name = self.mat.unique(final + "/unscaled")
+    dtype = self.mat.shapes[self.original.name][0].dtype
+    c = _const(self.mat.unique(final + "/scale"),
+               np.asarray(factor, tf.as_dtype(dtype).as_numpy_dtype), self.node.device)
+    self.mat.add(c)
+    mul = node_def_pb2.NodeDef(name=final, op="Mul", device=self.node.device,
+                               input=[self.node.name, c.name])
+    mul.attr["T"].type = dtype
+    self.mat.deferred.append(mul)
+
+
+def _const(name, value, device):
+  node = node_def_pb2.NodeDef(name=name, op="Const", device=device)
+  node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+  node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+  return node
+
+
+class Materializer(object):
+  """Builds the per-device GraphDef from a Propagation."""
+
+  def __init__(self, graph, shapes, mesh, propagation, variables, timeout_seconds=None):
+    self.graph, self.shapes, self.mesh = graph, shapes, mesh
+    self.prop = propagation
+    self.variables = {v.node: v for v in variables}
+    self.timeout = timeout_seconds
+    self.out = graph_pb2.GraphDef()
+    self.out.versions.CopyFrom(graph.versions)
+    self.out.library.CopyFrom(graph.library)
+    self.names = set()
+    self.deferred = []
+    self.reshards = {}     # (tensor, target) -> [local tensor per device]
+    self.collectives = []  # CollectiveRecord
+    self.manifest = {}
+    self.instance_key = 0
+    self.group_keys = {}
+
+  # --- bookkeeping -----------------------------------------------------------
+  def unique(self, base):
+    name, i = base, 0
+    while name in self.names:
+      i += 1
+      name = f"{base}_{i}"
+    self.names.add(name)
+    return name
+
+  def add(self, node):
+    self.names.add(node.name)
+    self.out.node.add().CopyFrom(node)
+
+  def _group_key(self, axis, device_id):
+    index, members = self.mesh.group_of(device_id, axis)
+    key = (axis, index)
+    if key not in self.group_keys:
+      self.group_keys[key] = len(self.group_keys) + 1
+    return self.group_keys[key], members
+
+  def _int_const(self, base, value, device):
+    node = _const(self.unique(base), np.asarray(value, np.int32), device)
+    self.add(node)
+    return node.name
+
+  # --- resharding --------------------------------------------------------------
+  def reshard(self, src, port, have, want, consumer):
+    """Local tensor names (per device) of tensor src:port in sharding `want`."""
+    key = (src, port, want)
+    if key in self.reshards:
+      return self.reshards[key]
+    info = self.shapes[src][port]
+    current = [_tensor(local_name(src, d), port) for d in range(self.mesh.size)]
+    spec = have
+    if want.partial - have.partial:
+      raise PlanError(f"node '{consumer}': cannot make a partial sum of a whole tensor")
+    for axis in sorted(have.partial - want.partial):
+      current = self._all_reduce(current, info, axis, src, port, consumer)
+      spec = Sharding(spec.dims, spec.partial - {axis})
+    for dim, axis in spec.split_dims():
+      if want.dims[dim] != axis:
+        current = self._all_gather(current, info, spec, dim, axis, src, port, consumer)
+        dims = list(spec.dims)
+        dims[dim] = None
+        spec = Sharding(tuple(dims), spec.partial)
+    if any(w is not None and w != s for w, s in zip(want.dims, spec.dims)):
+      current = self._slice(current, info, spec, want, src, port)
+    self.reshards[key] = current
+    return current
+
+  def _all_reduce(self, current, info, axis, src, port, consumer):
+    self.instance_key += 1
+    out = []
+    for d in range(self.mesh.size):
+      group_key, members = self._group_key(axis, d)
+      device = self.mesh.devices[d]
+      base = f"{src}/port_{port}/all_reduce_{axis}/shard_{d}"
+      inputs = [current[d],
+                self._int_const(base + "/group_size", len(members), device),
+                self._int_const(base + "/group_key", group_key, device),
+                self._int_const(base + "/instance_key", self.instance_key, device)]
+      node = collective_node("CollectiveReduceV2", self.unique(base), device, inputs,
+                             info.dtype, self.timeout)
+      self.add(node)
+      out.append(node.name)
+    self.collectives.append(CollectiveRecord("all_reduce", axis, _tensor(src, port),
+                                             consumer, info.num_elements or 0))
+    return out
+
+  def _all_gather(self, current, info, spec, dim, axis, src, port, consumer):
+    """Gathers dimension `dim` (CollectiveGatherV2 concatenates along dim 0)."""
+    self.instance_key += 1
+    logging.info("all-gather of %s:%d dim %d over %s for '%s'", src, port, dim, axis,
+                 consumer)
+    rank = len(info.shape)
+    perm = [dim] + [i for i in range(rank) if i != dim]
+    inverse = list(np.argsort(perm))
+    out = []
+    for d in range(self.mesh.size):
+      group_key, members = self._group_key(axis, d)
+      device = self.mesh.devices[d]
+      base = f"{src}/port_{port}/all_gather_{axis}_dim{dim}/shard_{d}"
+      x = current[d]
+      if dim != 0:
+        x = self._transpose(x, perm, base + "/to_front", device, info.dtype)
+      inputs = [x,
+                self._int_const(base + "/group_size", len(members), device),
+                self._int_const(base + "/group_key", group_key, device),
+                self._int_const(base + "/instance_key", self.instance_key, device)]
+      node = collective_node("CollectiveGatherV2", self.unique(base), device, inputs,
+                             info.dtype, self.timeout)
+      self.add(node)
+      y = node.name
+      if dim != 0:
+        y = self._transpose(y, inverse, base + "/from_front", device, info.dtype)
+      out.append(y)
+    self.collectives.append(CollectiveRecord("all_gather", axis, _tensor(src, port),
+                                             consumer, info.num_elements or 0))
+    return out
+
+  def _transpose(self, x, perm, base, device, dtype):
+    perm_name = self._int_const(base + "/perm", perm, device)
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Transpose", device=device,
+                                input=[x, perm_name])
+    node.attr["T"].type = dtype
+    node.attr["Tperm"].type = types_pb2.DT_INT32
+    self.add(node)
+    return node.name
+
+  def _slice(self, current, info, have, want, src, port):
+    """Local slice (no communication) from `have` to the finer `want`."""
+    out = []
+    for d in range(self.mesh.size):
+      device = self.mesh.devices[d]
+      base = f"{src}/port_{port}/slice_{'_'.join(a or 'r' for a in want.dims)}/shard_{d}"
+      have_local = have.local_shape(info.shape, self.mesh)
+      want_local = want.local_shape(info.shape, self.mesh, f"tensor '{src}:{port}'")
+      begin = [0] * len(info.shape)
+      for i, axis in enumerate(want.dims):
+        if axis is not None and have.dims[i] is None:
+          begin[i] = self.mesh.coord(d, axis) * want_local[i]
+      node = node_def_pb2.NodeDef(
+          name=self.unique(base), op="Slice", device=device,
+          input=[current[d], self._int_const(base + "/begin", begin, device),
+                 self._int_const(base + "/size", list(want_local), device)])
+      node.attr["T"].type = info.dtype
+      node.attr["Index"].type = types_pb2.DT_INT32
+      del have_local
+      self.add(node)
+      out.append(node.name)
+    return out
+
+  # --- nodes ---------------------------------------------------------------------
+  def _variable(self, node):
+    info = self.variables[node.name]
+    spec = self.prop.variable_specs.get(node.name) or Sharding.replicated(len(info.shape))
+    local_shape = spec.local_shape(info.shape, self.mesh, f"variable '{info.name}'")
+    entry = {"dtype": info.dtype_name, "shape": list(info.shape),
+             "sharding": [a for a in spec.dims], "shards": []}
+    for d in range(self.mesh.size):
+      new = node_def_pb2.NodeDef()
+      new.CopyFrom(node)
+      new.name = local_name(node.name, d)
+      new.device = self.mesh.devices[d]
+      shard_name = shard_variable_name(info.name, d)
+      if node.op == "VarHandleOp":
+        new.attr["shared_name"].s = shard_name.encode()
+        new.attr["shape"].CopyFrom(variables_lib.make_shape_attr(local_shape))
+      else:
+        new.attr[variables_lib.VAR_NAME_ATTR].s = shard_name.encode()
+        new.attr[variables_lib.VAR_SHAPE_ATTR].CopyFrom(
+            variables_lib.make_shape_attr(local_shape))
+      self.add(new)
+      entry["shards"].append({
+          "name": shard_name, "device": self.mesh.devices[d], "device_id": d,
+          "offsets": list(spec.offsets(info.shape, self.mesh, d)),
+          "shape": list(local_shape)})
+    self.manifest[info.name] = entry
+
+  def _op(self, node):
+    decision = self.prop.decisions[node.name]
+    data = [(i, parse_input(t)) for i, t in enumerate(node.input) if not t.startswith("^")]
+    positions = [i for i, _ in data]
+    in_infos = [self.shapes.get(f"{s}:{p}") for _, (s, p) in data]
+    resolved = []
+    for j, (_, (src, port)) in enumerate(data):
+      want = decision.inputs[j]
+      have = self.prop.outputs[src][port] if port < len(self.prop.outputs[src]) else None
+      if want is None or have is None:
+        resolved.append([_tensor(local_name(src, d), port) for d in range(self.mesh.size)])
+      elif have == want:
+        resolved.append([_tensor(local_name(src, d), port) for d in range(self.mesh.size)])
+      else:
+        resolved.append(self.reshard(src, port, have, want, node.name))
+    for d in range(self.mesh.size):
+      new = node_def_pb2.NodeDef()
+      new.CopyFrom(node)
+      new.name = local_name(node.name, d)
+      self.names.add(new.name)
+      new.device = self.mesh.devices[d]
+      for j, pos in enumerate(positions):
+        new.input[pos] = resolved[j][d]
+      for pos, text in enumerate(node.input):
+        if text.startswith("^"):
+          new.input[pos] = "^" + local_name(text[1:], d)
+      if "_output_shapes" in new.attr:
+        del new.attr["_output_shapes"]
+      for attr in (variables_lib.INPUT_INDEX_ATTR, variables_lib.OUTPUT_INDEX_ATTR):
+        if attr in new.attr:
+          del new.attr[attr]
+      if decision.localize is not None:
+        decision.localize(_LocalizeContext(self, new, node, decision, d, positions,
+                                           in_infos))
+      self.add(new)
+      for extra in self.deferred:
+        self.add(extra)
+      self.deferred = []
+
+  def _input(self, node):
+    """Graph inputs keep their name; each device reads them through an Identity."""
+    self.add(node)
+    spec = self.prop.outputs[node.name][0]
+    info = self.shapes[node.name][0]
+    for d in range(self.mesh.size):
+      ident = node_def_pb2.NodeDef(name=local_name(node.name, d), op="Identity",
+                                   device=self.mesh.devices[d], input=[node.name])
+      ident.attr["T"].type = node.attr["dtype"].type
+      self.add(ident)
+    if spec is not None and not spec.is_replicated:
+      raise PlanError(f"input '{node.name}' must be replicated here (batch splitting "
+                      "is a separate pass)")
+    del info
+
+  def run(self):
+    outputs = graph_outputs(self.graph)
+    for name in self.prop.order:
+      node = self.graph.node(name)
+      if name in self.variables:
+        self._variable(node)
+      elif node.op == "Placeholder" and variables_lib.INPUT_INDEX_ATTR in node.attr or (
+          node.op == "Placeholder" and node.attr["dtype"].type != types_pb2.DT_RESOURCE):
+        self._input(node)
+      else:
+        self._op(node)
+    for name in outputs:
+      self._output(name)
+    return self.out
+
+  def _output(self, name):
+    """The original output name, on device 0, whole, after every device's copy."""
+    node = self.graph.node(name)
+    spec = self.prop.outputs[name][0]
+    info = self.shapes[name][0]
+    whole = Sharding.replicated(len(info.shape)) if info.shape is not None else None
+    if spec is not None and whole is not None and spec != whole:
+      local = self.reshard(name, 0, spec, whole, name)
+    else:
+      local = [local_name(name, d) for d in range(self.mesh.size)]
+    out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[0],
+                               input=[local[0]] + [
+                                   "^" + local_name(name, d) for d in range(1, self.mesh.size)])
+    out.attr["T"].type = info.dtype
+    if variables_lib.OUTPUT_INDEX_ATTR in node.attr:
+      out.attr[variables_lib.OUTPUT_INDEX_ATTR].CopyFrom(
+          node.attr[variables_lib.OUTPUT_INDEX_ATTR])
+    # The output name was used by the original node's copies' prefix only.
+    self.add(out)

@@ -1,0 +1,93 @@
+"""Device meshes: named axes over logical device ids, mapped to device names.
+
+A Mesh is pure geometry (`dp=2,tp=2`: 4 logical devices, row-major, the last
+axis fastest); which physical device each logical id runs on is a separate
+list of device strings, so one plan runs on logical CPUs in a test, on GPUs,
+or across `/job:worker/task:i` without touching the passes.
+"""
+import itertools
+import re
+
+from tfsplit.errors import PlanError
+
+_AXIS_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([0-9]+)\s*$")
+
+
+def local_cpu_devices(n):
+  return [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
+
+
+class Mesh(object):
+  """Named axes (ordered) over `size` logical devices, plus device names."""
+
+  def __init__(self, axes, devices=None):
+    axes = dict(axes)
+    if not axes:
+      raise PlanError("a mesh needs at least one axis, e.g. tp=2")
+    for name, size in axes.items():
+      if int(size) < 1:
+        raise PlanError(f"mesh axis '{name}' has size {size}; sizes must be >= 1")
+    self.axes = {name: int(size) for name, size in axes.items()}
+    self.axis_names = list(self.axes)
+    self.size = 1
+    for s in self.axes.values():
+      self.size *= s
+    if devices is None:
+      devices = local_cpu_devices(self.size)
+    devices = list(devices)
+    if len(devices) != self.size:
+      raise PlanError(f"mesh {self} has {self.size} devices but {len(devices)} "
+                      "device names were given")
+    self.devices = devices
+    self._coords = list(itertools.product(*[range(s) for s in self.axes.values()]))
+
+  @classmethod
+  def parse(cls, text, devices=None):
+    """'tp=4' or 'dp=2,tp=2' -> Mesh."""
+    axes = {}
+    for part in str(text).split(","):
+      m = _AXIS_RE.match(part)
+      if not m:
+        raise PlanError(f"cannot read mesh '{text}': write axes as name=size, "
+                        "comma-separated, e.g. tp=4 or dp=2,tp=2")
+      if m.group(1) in axes:
+        raise PlanError(f"mesh '{text}' names axis '{m.group(1)}' twice")
+      axes[m.group(1)] = int(m.group(2))
+    return cls(axes, devices)
+
+  def __repr__(self):
+    return ",".join(f"{k}={v}" for k, v in self.axes.items())
+
+  def coords(self, device_id):
+    """{axis: coordinate} of logical device `device_id`."""
+    return dict(zip(self.axis_names, self._coords[device_id]))
+
+  def coord(self, device_id, axis):
+    return self._coords[device_id][self.axis_names.index(axis)]
+
+  def device_id(self, coords):
+    return self._coords.index(tuple(coords[a] for a in self.axis_names))
+
+  def groups(self, axis):
+    """Lists of device ids that differ only in `axis` (collective groups)."""
+    index = self.axis_names.index(axis)
+    groups = {}
+    for device_id, c in enumerate(self._coords):
+      key = c[:index] + c[index + 1:]
+      groups.setdefault(key, []).append(device_id)
+    return [groups[k] for k in sorted(groups)]
+
+  def group_of(self, device_id, axis):
+    """(group index, members) of the `axis` group holding `device_id`."""
+    for i, members in enumerate(self.groups(axis)):
+      if device_id in members:
+        return i, members
+    raise AssertionError("device not in mesh")
+
+  def check_devices_available(self, available):
+    """Raises PlanError if the mesh needs more devices than `available`."""
+    if self.size > len(available):
+      raise PlanError(
+          f"mesh {self} needs {self.size} devices but only {len(available)} are "
+          f"available ({', '.join(available) or 'none'}); use a smaller mesh or "
+          "configure more (logical) devices")

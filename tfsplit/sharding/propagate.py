@@ -1,0 +1,128 @@
+"""Sharding propagation: one decision per op, from seeds to the whole graph.
+
+Seeds are the shardings of variables (from a strategy or annotations) and of
+graph inputs. Ops are visited in topological order; each op's rule (tfsplit.
+rules) sees the shardings its inputs arrive with and decides what it needs
+and what it produces. Where an op needs its inputs whole, the decision says
+so and the engine logs the fallback, naming the op that forced it (a silent
+gather is the most common complaint about automatic sharding).
+"""
+import dataclasses
+from typing import Dict, List
+
+import numpy as np
+from absl import logging
+from tensorflow.core.framework import types_pb2
+
+from tfsplit import rules as rules_lib
+from tfsplit.errors import PlanError, UnsupportedOpError
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.fold import const_value
+from tfsplit.graph.ir import parse_input
+from tfsplit.rules.base import Decision, OpContext, fallback
+from tfsplit.sharding.spec import Sharding
+
+_MAX_CONST_ELEMENTS = 1024
+# Ops that pass a resource handle through unchanged.
+_HANDLE_PASSTHROUGH = frozenset(["Identity", "IdentityN"])
+
+
+@dataclasses.dataclass
+class Propagation:
+  decisions: Dict[str, Decision]
+  outputs: Dict[str, List[Sharding]]      # node -> sharding per output
+  handle_source: Dict[str, str]           # node -> variable handle node it forwards
+  variable_specs: Dict[str, Sharding]     # variable handle node -> sharding
+  fallbacks: List[str]
+  order: List[str]
+
+  def spec(self, text):
+    name, port = parse_input(text)
+    return self.outputs[name][port]
+
+
+def _is_resource(info):
+  return info is not None and info.dtype == types_pb2.DT_RESOURCE
+
+
+def propagate(graph, shapes, mesh, variable_specs, input_specs=None):
+  """Propagation of shardings over `graph` (a tfsplit Graph)."""
+  input_specs = input_specs or {}
+  order = graph.topological_order()
+  var_nodes = {n.name for n in graph.nodes if variables_lib.is_variable_node(n)}
+  outputs, decisions, handle_source, fallbacks = {}, {}, {}, []
+  for name in var_nodes:
+    handle_source[name] = name
+  for name in order:
+    node = graph.node(name)
+    out_infos = shapes[name] if name in shapes else []
+    if name in var_nodes:
+      outputs[name] = [None]
+      continue
+    data = [parse_input(t) for t in node.input if not t.startswith("^")]
+    in_infos = [shapes.get(f"{s}:{p}") for s, p in data]
+    in_specs, handle_specs, const_inputs = [], [], []
+    for (src, port), info in zip(data, in_infos):
+      src_specs = outputs[src]
+      spec = src_specs[port] if port < len(src_specs) else None
+      if _is_resource(info) or spec is None:
+        in_specs.append(None)
+        source = handle_source.get(src)
+        handle_specs.append(variable_specs.get(source) if source else None)
+      else:
+        in_specs.append(spec)
+        handle_specs.append(None)
+      src_node = graph.node(src)
+      if src_node.op == "Const" and info is not None and info.num_elements is not None \
+          and info.num_elements <= _MAX_CONST_ELEMENTS:
+        const_inputs.append(const_value(src_node))
+      else:
+        const_inputs.append(None)
+    if node.op in _HANDLE_PASSTHROUGH and data and all(_is_resource(i) for i in in_infos):
+      handle_source[name] = handle_source.get(data[0][0])
+      outputs[name] = [None] * max(1, len(out_infos))
+      continue
+    if node.op == "Placeholder" and name in input_specs:
+      decision = Decision([], [input_specs[name]])
+    else:
+      ctx = OpContext(node, mesh, in_specs, in_infos, out_infos, const_inputs,
+                      handle_specs)
+      decision = _decide(ctx, fallbacks)
+    decisions[name] = decision
+    outputs[name] = list(decision.outputs)
+  return Propagation(decisions, outputs, handle_source, dict(variable_specs),
+                     fallbacks, order)
+
+
+def _decide(ctx, fallbacks):
+  node = ctx.node
+  split_handles = [s for s in ctx.handle_specs if s is not None and not s.is_replicated]
+  rule = rules_lib.RULES.get(node.op)
+  if rule is None:
+    if split_handles:
+      raise UnsupportedOpError(
+          f"node '{node.name}' (op {node.op}) uses a split variable and tfsplit has no "
+          "split rule for this op; leave that variable replicated (annotate it) or "
+          "add a rule for the op in tfsplit/rules/")
+    decision = fallback(ctx, "no split rule for this op")
+  elif any(i is None or i.shape is None for i, s in zip(ctx.in_infos, ctx.in_specs)
+           if s is not None) or any(o is None or o.shape is None for o in ctx.out_infos):
+    decision = fallback(ctx, "static shapes unknown")
+  else:
+    try:
+      decision = rule(ctx)
+    except PlanError:
+      raise
+    except Exception as e:  # pylint: disable=broad-except
+      if split_handles:
+        raise UnsupportedOpError(
+            f"node '{node.name}' (op {node.op}): split rule failed ({e}) on a split "
+            "variable; leave the variable replicated") from None
+      decision = fallback(ctx, f"split rule failed: {e}")
+  arriving_split = any(s is not None and not s.is_replicated for s in ctx.in_specs)
+  if decision.fallback and arriving_split:
+    msg = (f"node '{node.name}' (op {node.op}): {decision.fallback}; its split "
+           "inputs are gathered to full tensors (replicated)")
+    logging.warning("fallback to replication: %s", msg)
+    fallbacks.append(msg)
+  return decision

@@ -1,0 +1,84 @@
+"""How one tensor is laid out over a mesh.
+
+`Sharding(dims, partial)`: `dims[i]` is the mesh axis that splits tensor
+dimension i into equal contiguous blocks (None: replicated along it);
+`partial` is the set of mesh axes over which the local values are partial
+sums (the result of a contraction over a split dimension): the true tensor is
+the sum over that axis of the local tensors.
+"""
+import dataclasses
+from typing import FrozenSet, Optional, Tuple
+
+from tfsplit.errors import PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+  dims: Tuple[Optional[str], ...]
+  partial: FrozenSet[str] = frozenset()
+
+  @classmethod
+  def replicated(cls, rank):
+    return cls((None,) * rank)
+
+  @classmethod
+  def split(cls, rank, dim, axis):
+    dims = [None] * rank
+    dims[dim] = axis
+    return cls(tuple(dims))
+
+  @property
+  def rank(self):
+    return len(self.dims)
+
+  @property
+  def is_replicated(self):
+    return not self.partial and all(d is None for d in self.dims)
+
+  @property
+  def axes_used(self):
+    return {d for d in self.dims if d is not None} | set(self.partial)
+
+  def split_dims(self):
+    return [(i, a) for i, a in enumerate(self.dims) if a is not None]
+
+  def with_dims(self, dims):
+    return Sharding(tuple(dims), self.partial)
+
+  def without_partial(self):
+    return Sharding(self.dims)
+
+  def with_partial(self, axes):
+    return Sharding(self.dims, frozenset(axes))
+
+  def __str__(self):
+    body = ",".join(a or "-" for a in self.dims)
+    part = f" partial({','.join(sorted(self.partial))})" if self.partial else ""
+    return f"[{body}]{part}"
+
+  def local_shape(self, shape, mesh, what="tensor"):
+    """Per-device shape of a tensor of global `shape`; checks divisibility."""
+    if shape is None:
+      return None
+    local = list(shape)
+    for i, axis in self.split_dims():
+      if local[i] is None:
+        continue
+      n = mesh.axes[axis]
+      if local[i] % n:
+        raise PlanError(f"{what}: dimension {i} of size {local[i]} does not "
+                        f"divide by mesh axis {axis}={n}; choose a mesh size "
+                        "that divides it or leave this tensor replicated")
+      local[i] //= n
+    return tuple(local)
+
+  def offsets(self, shape, mesh, device_id):
+    """Start index of `device_id`'s block in each dimension."""
+    coords = mesh.coords(device_id)
+    out = []
+    for i, axis in enumerate(self.dims):
+      if axis is None:
+        out.append(0)
+      else:
+        out.append(coords[axis] * (shape[i] // mesh.axes[axis]))
+    return tuple(out)

@@ -1,0 +1,160 @@
+"""The operator-splitting pass: GraphDef -> per-device GraphDef + manifest.
+
+    result = split_graph(graph_def, Mesh.parse("tp=4"), strategy="megatron")
+    result.graph_def   # runs on the mesh's devices, computes the same thing
+    result.manifest    # variable -> its shards (device, offsets, shape)
+
+Steps: fold static shape arithmetic into constants (global values), pick
+variable shardings (strategy), propagate shardings through every op,
+infer optimizer-slot shardings from the gradients that update them, then
+materialize one copy of each op per device with the collectives needed.
+"""
+import dataclasses
+import fnmatch
+import json
+from typing import Dict, List
+
+from absl import logging
+
+from tfsplit.errors import PlanError
+from tfsplit.graph import Graph, find_variables, infer_shapes
+from tfsplit.graph.fold import fold_static_shapes
+from tfsplit.graph.ir import parse_input
+from tfsplit.graph.layers import detect_layers
+from tfsplit.sharding.materialize import Materializer
+from tfsplit.sharding.propagate import propagate
+from tfsplit.sharding.spec import Sharding
+
+_WRITES = ("AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp")
+_MAX_ROUNDS = 4
+
+
+@dataclasses.dataclass
+class SplitResult:
+  graph_def: object
+  manifest: Dict[str, dict]
+  collectives: list
+  fallbacks: List[str]
+  variable_specs: Dict[str, tuple]   # variable name -> dims
+
+  def manifest_json(self):
+    return json.dumps({"variables": self.manifest}, indent=1, sort_keys=True)
+
+  def count(self, kind, axis=None):
+    return sum(1 for c in self.collectives
+               if c.kind == kind and (axis is None or c.axis == axis))
+
+
+def _annotation_plan(variables, annotations, mesh):
+  """{handle node: dims} from {variable-name glob: dims}."""
+  plan = {}
+  for var in variables:
+    for pattern, dims in annotations.items():
+      if fnmatch.fnmatchcase(var.name, pattern):
+        dims = tuple(dims)
+        if len(dims) != len(var.shape):
+          raise PlanError(f"annotation '{pattern}' gives {len(dims)} dims for variable "
+                          f"'{var.name}' of rank {len(var.shape)}")
+        for a in dims:
+          if a is not None and a not in mesh.axes:
+            raise PlanError(f"annotation '{pattern}' names axis '{a}', not in mesh {mesh}")
+        plan[var.node] = dims
+        break
+  return plan
+
+
+def _inferred_specs(graph, prop, variables, explicit):
+  """Shardings for variables the plan left open, read off the ops using them.
+
+  A bias added to a column-split activation is required split by its
+  BiasAdd; an Adam moment is updated with a split gradient. Adopting that
+  sharding keeps the variable local instead of gathering its updates.
+  """
+  candidates = {}
+  for v in variables:
+    if v.node in explicit or not v.shape:
+      continue
+    candidates[v.node] = set()
+  for node in graph.nodes:
+    decision = prop.decisions.get(node.name)
+    if decision is None:
+      continue
+    data = [t for t in node.input if not t.startswith("^")]
+    for j, text in enumerate(data):
+      src, port = parse_input(text)
+      src_node = graph.node(src)
+      if src_node.op == "ReadVariableOp":
+        handle = prop.handle_source.get(parse_input(src_node.input[0])[0])
+        if handle in candidates and j < len(decision.inputs) and decision.inputs[j]:
+          candidates[handle].add(decision.inputs[j].dims)
+      if node.op in _WRITES and j == 1:
+        handle = prop.handle_source.get(parse_input(data[0])[0])
+        value = prop.spec(text)
+        if handle in candidates and value is not None:
+          candidates[handle].add(value.dims)
+  found = {}
+  for handle, dims_set in candidates.items():
+    split = {d for d in dims_set if any(a is not None for a in d)}
+    if len(split) == 1:
+      found[handle] = split.pop()
+  return found
+
+
+def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
+                timeout_seconds=None, axis=None):
+  """Splits `graph_def` over `mesh` (see module doc).
+
+  strategy: 'megatron' (found from the graph), 'none' (annotations only).
+  annotations: {variable-name glob: dims tuple}, e.g. {'*/fc1/kernel': (None, 'tp')};
+    they override the strategy for the variables they match.
+  """
+  graph = Graph(graph_def)
+  variables = find_variables(graph)
+  shapes = infer_shapes(graph, variables)
+  folded = fold_static_shapes(graph_def, shapes)
+  graph = Graph(folded)
+  variables = find_variables(graph)
+  shapes = infer_shapes(graph, variables)
+  for var in variables:
+    if var.shape is None:
+      raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
+                      "load the graph from its tf.function so shapes are recorded")
+
+  axis = axis or ("tp" if "tp" in mesh.axes else mesh.axis_names[-1])
+  plan = {}
+  if strategy == "megatron":
+    from tfsplit.strategies.megatron import megatron_plan  # pylint: disable=import-outside-toplevel
+    roles = detect_layers(graph, shapes, variables).role
+    plan.update(megatron_plan(graph, shapes, variables, axis=axis, mesh=mesh, roles=roles))
+  elif strategy not in ("none", None):
+    raise PlanError(f"unknown strategy '{strategy}'; use 'megatron' or 'none'")
+  if annotations:
+    plan.update(_annotation_plan(variables, annotations, mesh))
+  explicit = dict(plan)
+  specs = {}
+  for var in variables:
+    dims = plan.get(var.node, (None,) * len(var.shape))
+    specs[var.node] = Sharding(tuple(dims))
+    specs[var.node].local_shape(var.shape, mesh, f"variable '{var.name}'")
+
+  for _ in range(_MAX_ROUNDS):
+    prop = propagate(graph, shapes, mesh, specs)
+    inferred = _inferred_specs(graph, prop, variables, explicit)
+    changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
+    if not changed:
+      break
+    for handle, dims in changed.items():
+      specs[handle] = Sharding(tuple(dims))
+      explicit[handle] = dims
+  else:
+    raise PlanError("variable shardings did not settle; annotate the variables")
+
+  mat = Materializer(graph, shapes, mesh, prop, variables, timeout_seconds)
+  out = mat.run()
+  by_node = {v.node: v.name for v in variables}
+  var_specs = {by_node[h]: s.dims for h, s in specs.items() if not s.is_replicated}
+  logging.info("split over %s: %d variables split, %d all-reduces, %d all-gathers, "
+               "%d fallbacks", mesh, len(var_specs), sum(c.kind == "all_reduce" for c in
+                                                         mat.collectives),
+               sum(c.kind == "all_gather" for c in mat.collectives), len(prop.fallbacks))
+  return SplitResult(out, mat.manifest, mat.collectives, prop.fallbacks, var_specs)

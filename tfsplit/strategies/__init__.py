@@ -1,0 +1,1 @@
+"""Strategies: where to split, found from the graph (megatron) or given."""

@@ -1,0 +1,156 @@
+"""The `megatron` preset: tensor parallelism found from the graph alone.
+
+A *weight contraction* is a MatMul / BatchMatMul / Einsum with a trainable
+variable of rank >= 2 as one operand (read directly or through Identity /
+Cast / Reshape). Megatron pairs them: the first contraction of a pair is
+split along its output features (column-parallel: MLP fc1, attention Q/K/V
+by heads), the next weight contraction that consumes it is split along its
+input features (row-parallel: MLP fc2, attention output projection), so the
+activations between them stay split and only the pair's output needs an
+all-reduce. Contractions that feed several others (a block's output feeds
+the next block's Q, K and V) and those that feed none (the LM head) stay
+replicated.
+"""
+import collections
+
+from absl import logging
+
+from tfsplit.errors import PlanError
+from tfsplit.graph.ir import Graph, parse_input
+from tfsplit.rules.matmul import _einsum_letters
+from tfsplit.rules.shape import _groups
+
+CONTRACTIONS = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
+                          "Einsum"])
+_VIEW_OPS = frozenset(["Identity", "Cast", "Reshape"])
+
+
+def _operand_letters(node, shapes):
+  """(letters per input, output letters) of a contraction node."""
+  ins = [shapes.get(t) for t in node.input if not t.startswith("^")]
+  if node.op == "MatMul":
+    a = ["m", "k"] if not node.attr["transpose_a"].b else ["k", "m"]
+    b = ["k", "n"] if not node.attr["transpose_b"].b else ["n", "k"]
+    return [a, b], ["m", "n"]
+  if node.op == "Einsum":
+    return _einsum_letters(node.attr["equation"].s.decode(), [len(i.shape) for i in ins])
+  ra, rb = len(ins[0].shape), len(ins[1].shape)
+  nb = max(ra, rb) - 2
+  batch = [f"b{i}" for i in range(nb)]
+  a = batch[nb - (ra - 2):] + (["k", "m"] if node.attr["adj_x"].b else ["m", "k"])
+  b = batch[nb - (rb - 2):] + (["n", "k"] if node.attr["adj_y"].b else ["k", "n"])
+  return [a, b], batch + ["m", "n"]
+
+
+def _trace_to_variable(graph, text, var_by_node):
+  """(variable, [view node names]) if `text` is a view of a variable read."""
+  chain = []
+  name, _ = parse_input(text)
+  while True:
+    node = graph.node(name)
+    if node.op == "ReadVariableOp":
+      handle = parse_input(node.input[0])[0]
+      return var_by_node.get(handle), chain
+    if node.op not in _VIEW_OPS:
+      return None, chain
+    chain.append(name)
+    name = parse_input(node.input[0])[0]
+
+
+def _map_dim_to_variable(graph, shapes, var, chain, operand_dim, operand_shape):
+  """The variable dimension whose split splits `operand_dim` of the operand."""
+  if tuple(operand_shape) == tuple(var.shape):
+    return operand_dim
+  for gi, gj in _groups(list(var.shape), list(operand_shape)):
+    if operand_dim in gj:
+      major_out = next((k for k in gj if operand_shape[k] != 1), None)
+      major_in = next((k for k in gi if var.shape[k] != 1), None)
+      if major_out == operand_dim and major_in is not None:
+        return major_in
+  return None
+
+
+def find_weight_contractions(graph, shapes, variables, roles=None):
+  """[(node name, operand index, VariableInfo, view chain)] in topological order."""
+  var_by_node = {v.node: v for v in variables if v.trainable is not False}
+  found = []
+  for name in graph.topological_order():
+    node = graph.node(name)
+    if node.op not in CONTRACTIONS or name.startswith(("gradient_tape/", "gradients/")):
+      continue
+    if roles is not None and roles.get(name) != "forward":
+      continue
+    data = [t for t in node.input if not t.startswith("^")]
+    for i, text in enumerate(data[:2]):
+      var, chain = _trace_to_variable(graph, text, var_by_node)
+      if var is not None and var.shape is not None and len(var.shape) >= 2:
+        found.append((name, i, var, chain))
+        break
+  return found
+
+
+def megatron_plan(graph, shapes, variables, axis="tp", mesh=None, roles=None):
+  """{variable handle node: dims tuple} for the megatron preset."""
+  if not isinstance(graph, Graph):
+    graph = Graph(graph)
+  contractions = find_weight_contractions(graph, shapes, variables, roles)
+  by_node = {c[0]: c for c in contractions}
+  # First weight contractions reached downstream of each contraction.
+  reached = {}
+  for name in by_node:
+    seen, queue, hits = {name}, collections.deque([name]), []
+    while queue:
+      cur = queue.popleft()
+      for consumer in graph.consumer_nodes(cur):
+        c = consumer.name
+        if c in seen or c.startswith(("gradient_tape/", "gradients/")):
+          continue
+        if roles is not None and roles.get(c) != "forward":
+          continue
+        seen.add(c)
+        if c in by_node:
+          hits.append(c)
+        else:
+          queue.append(c)
+    reached[name] = hits
+  kind = {}
+  for name, _, _, _ in contractions:
+    if name in kind:
+      continue
+    hits = reached[name]
+    if len(hits) == 1 and kind.get(hits[0]) != "column":
+      kind[name] = "column"
+      kind[hits[0]] = "row"
+  n = mesh.axes[axis] if mesh is not None else None
+  plan = {}
+  for name, operand, var, chain in contractions:
+    if name not in kind or var.node in plan:
+      continue
+    node = graph.node(name)
+    letters, out_letters = _operand_letters(node, shapes)
+    op_letters = letters[operand]
+    if kind[name] == "column":
+      dims = [i for i, l in enumerate(op_letters) if l in out_letters]
+    else:
+      dims = [i for i, l in enumerate(op_letters) if l not in out_letters]
+    operand_shape = shapes.get([t for t in node.input if not t.startswith("^")][operand]).shape
+    dims = [d for d in dims if operand_shape[d] != 1]
+    if not dims:
+      continue
+    var_dim = _map_dim_to_variable(graph, shapes, var, chain, dims[0], operand_shape)
+    if var_dim is None:
+      logging.warning("megatron: cannot map the split of '%s' back to variable '%s'; "
+                      "left replicated", name, var.name)
+      continue
+    if n is not None and var.shape[var_dim] % n:
+      raise PlanError(
+          f"node '{name}' (op {node.op}): variable '{var.name}' dimension {var_dim} "
+          f"(size {var.shape[var_dim]}, the {'heads/output features' if kind[name] == 'column' else 'input features'}) "
+          f"does not divide by {axis}={n}; use a {axis} size that divides "
+          f"{var.shape[var_dim]}")
+    dims_spec = [None] * len(var.shape)
+    dims_spec[var_dim] = axis
+    plan[var.node] = tuple(dims_spec)
+    logging.info("megatron: %s '%s' (%s) splits variable '%s' dim %d", kind[name],
+                 name, node.op, var.name, var_dim)
+  return plan
