@@ -301,6 +301,8 @@ class _Builder:
                                      cost.comm_bytes)
       self.transfers += 1
     alloc, alias = self.outputs(node, owners)
+    if not deps and not controls and self.start is not None:
+      controls = [self.start]
     task = self.tg.add_task(
         node.name, resource, duration, deps=deps, control_deps=controls,
         kind=self.kind(node), alloc=alloc, mem_device=self.dev[device],
@@ -374,6 +376,12 @@ class _Builder:
 
   def build(self, order):
     self.pending = {}
+    table = self.cost.table
+    self.start = None
+    if table is not None and table.step_overhead:
+      # The runtime's fixed cost of launching a step, before any op runs.
+      self.start = self.tg.add_task("step launch", None, table.step_overhead,
+                                    kind="sync")
     for index, name in enumerate(order):
       node = self.graph.node(name)
       if node.op in _NO_TASK_OPS or name in self.var_nodes:

@@ -235,9 +235,11 @@ class CostTable:
   entries: signature -> seconds (the median of the runs measured).
   op_factor: op type -> measured / roofline time, for shapes not measured.
   default_factor: the factor for op types never measured.
-  op_overhead: seconds every op costs on top of its work (executor dispatch).
-  time_scale: measured step time / summed traced op times; profiling slows
-    each op a little, this takes it back out.
+  op_overhead: seconds every op that runs costs on top of its kernel (the
+    executor's dispatch gap between ops).
+  time_scale: untraced / traced kernel time; profiling slows each kernel a
+    little, this takes it back out.
+  step_overhead: seconds every step costs before its first op (launch).
   flops / bandwidth: the machine's measured best MatMul FLOP/s and copy
     bytes/s; the roofline of a calibrated device uses these.
   """
@@ -246,18 +248,26 @@ class CostTable:
   default_factor: float = 1.0
   op_overhead: float = 0.0
   time_scale: float = 1.0
+  step_overhead: float = 0.0
   flops: float = None
   bandwidth: float = None
   machine: dict = dataclasses.field(default_factory=dict)
 
   def lookup(self, sig):
+    """Seconds for a measured signature (None if not measured).
+
+    A 0 entry is an op Grappler fused away or folded: it costs nothing.
+    """
     value = self.entries.get(sig)
-    return None if value is None else value * self.time_scale
+    if value is None:
+      return None
+    return value * self.time_scale + self.op_overhead if value else 0.0
 
   def to_json(self):
     return {"version": TABLE_VERSION, "machine": self.machine,
             "flops": self.flops, "bandwidth": self.bandwidth,
             "op_overhead": self.op_overhead, "time_scale": self.time_scale,
+            "step_overhead": self.step_overhead,
             "default_factor": self.default_factor,
             "op_factor": dict(sorted(self.op_factor.items())),
             "entries": dict(sorted(self.entries.items()))}
@@ -288,6 +298,7 @@ class CostTable:
                  default_factor=float(obj["default_factor"]),
                  op_overhead=float(obj["op_overhead"]),
                  time_scale=float(obj["time_scale"]),
+                 step_overhead=float(obj.get("step_overhead", 0.0)),
                  flops=obj.get("flops"), bandwidth=obj.get("bandwidth"),
                  machine=dict(obj.get("machine") or {}))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
