@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "inspect": ("tfsplit.commands.inspect_cmd", "op histogram, variables and layer table of a graph"),
     "estimate": ("tfsplit.commands.estimate_cmd", "memory of model states from a parameter count; pipeline bubble simulation"),
+    "calibrate": ("tfsplit.commands.calibrate_cmd", "measure op costs on this machine into a cost table"),
 }
 
 # Commands that can run without importing TensorFlow (e.g. a size-only estimate).

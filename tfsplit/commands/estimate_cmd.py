@@ -1,9 +1,17 @@
 """`tfsplit estimate`: memory of model states from the parameter count alone,
-and a simulated pipeline schedule on uniform stages.
+a simulated pipeline schedule on uniform stages, or, given a graph, its
+per-device memory and simulated step time.
 
   tfsplit estimate --params 100e9 --optimizer adam --device-memory 16GB,32GB
   tfsplit estimate --simulate-pipeline --stages 4 --microbatches 8 \\
       --schedule 1f1b --trace step.json --gantt step.png
+  tfsplit estimate train_step.pb --cluster h100-80gb --calibration table.json \\
+      --trace step.json
+
+In graph mode each node runs on the device its `device` field names (an
+empty one is device 0); --place-layers N first spreads the layers over N
+devices. Costs are the roofline of the cluster's devices unless a
+calibration table (`tfsplit calibrate`) measured them.
 
 Sizes are decimal: 16GB = 16e9 bytes (write 16GiB for 16 * 2**30). A device
 memory may also be a hardware preset name, e.g. h100-80gb.
@@ -80,6 +88,19 @@ def _define_flags(fv):
                       "Activation bytes one micro-batch leaves on a stage "
                       "(e.g. 2GB), to report peak memory per stage.",
                       flag_values=fv)
+  flags.DEFINE_string(
+      "cluster", "cpu-host",
+      "Graph mode: a cluster spec JSON file or a hardware preset "
+      f"({', '.join(cluster_lib.preset_names())}).", flag_values=fv)
+  flags.DEFINE_integer("devices", None, "Graph mode: devices of a preset "
+                       "cluster (default: as many as the graph uses).",
+                       lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("calibration", None, "Graph mode: a cost table written "
+                      "by 'tfsplit calibrate'; measured costs override the "
+                      "roofline.", flag_values=fv)
+  flags.DEFINE_integer("place-layers", None, "Graph mode: place the layers "
+                       "over this many devices, contiguously, before "
+                       "simulating.", lower_bound=1, flag_values=fv)
   flags.DEFINE_string("trace", None, "Write the simulated schedule as "
                       "Chrome-trace / Perfetto JSON here.", flag_values=fv)
   flags.DEFINE_string("gantt", None, "Write a PNG Gantt chart here (needs "
@@ -94,10 +115,11 @@ def _parse(argv):
   except flags.Error as e:
     raise EstimateError(f"{e}; run 'tfsplit estimate --help' for the flags") \
         from None
-  if len(rest) > 1:
-    raise EstimateError(f"unexpected argument(s) {' '.join(rest[1:])}; "
-                        "estimate takes only flags, e.g. --params 100e9")
-  return fv
+  if len(rest) > 2:
+    raise EstimateError(f"unexpected argument(s) {' '.join(rest[2:])}; "
+                        "estimate takes at most one graph, e.g. "
+                        "'tfsplit estimate train_step.pb'")
+  return fv, (rest[1] if len(rest) == 2 else None)
 
 
 def _device_memory(text):
@@ -246,7 +268,9 @@ def main(argv):
     sys.stdout.write(__doc__ + "\nflags:\n" +
                      fv.module_help(__name__) + "\n")
     return 0
-  fv = _parse(argv)
+  fv, graph_path = _parse(argv)
+  if graph_path is not None:
+    return _graph_main(fv, graph_path)
   if fv["params"].value is None and not fv["simulate-pipeline"].value:
     raise EstimateError("nothing to estimate: give --params (e.g. --params "
                         "100e9) and/or --simulate-pipeline")
@@ -293,4 +317,94 @@ def main(argv):
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
   else:
     sys.stdout.write("\n".join(lines) + "\n")
+  return 0
+
+
+def _cluster(fv, num_devices):
+  spec = fv["cluster"].value
+  count = fv["devices"].value or num_devices
+  if spec in cluster_lib.preset_names():
+    return cluster_lib.from_preset(spec, count)
+  cluster = cluster_lib.ClusterSpec.load(spec)
+  if cluster.num_devices < num_devices:
+    raise EstimateError(f"cluster '{spec}' has {cluster.num_devices} devices "
+                        f"but the graph uses {num_devices}; give a bigger "
+                        "cluster")
+  return cluster
+
+
+def _graph_main(fv, path):
+  """Graph mode: per-device memory and simulated step of one GraphDef."""
+  # TensorFlow is only needed here; the size-only modes start without it.
+  from tfsplit.cli import _quiet_tensorflow  # pylint: disable=import-outside-toplevel
+  _quiet_tensorflow()
+  from tfsplit.cost import graph_sim  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
+  for name in ("params", "activations", "layers"):
+    if fv[name].value is not None:
+      raise EstimateError(f"--{name} is for the size-only estimate; a graph "
+                          "brings its own sizes")
+  if fv["simulate-pipeline"].value:
+    raise EstimateError("--simulate-pipeline is for uniform stages; with a "
+                        "graph, place it with --place-layers instead")
+  if fv["gantt"].value:
+    output.require_matplotlib()
+  table = (op_cost.CostTable.load(fv["calibration"].value)
+           if fv["calibration"].value else None)
+  graph_def = load_graph(path)
+  graph = Graph(graph_def)
+  variables = find_variables(graph)
+  shapes = infer_shapes(graph, variables)
+  report = detect_layers(graph, shapes, variables)
+  if fv["place-layers"].value:
+    graph_def = graph_sim.place_by_layers(graph_def, fv["place-layers"].value,
+                                          report=report)
+    graph = Graph(graph_def)
+    variables = find_variables(graph)
+  _, labels = graph_sim.device_indices(graph)
+  cluster = _cluster(fv, len(labels))
+  model = op_cost.CostModel(cluster, table=table)
+  res = graph_sim.simulate_graph(graph, cluster, model, shapes=shapes,
+                                 variables=variables, roles=report.role)
+  sim = res.sim
+  summary = res.summary()
+  summary.update({"graph": path, "cluster": cluster.name,
+                  "calibration": fv["calibration"].value})
+  for name in ("trace", "gantt"):
+    if fv[name].value:
+      summary[name] = fv[name].value
+  if fv["trace"].value:
+    output.write_chrome_trace(sim, fv["trace"].value)
+  if fv["gantt"].value:
+    output.write_gantt(sim, fv["gantt"].value)
+  if fv["format"].value == "json":
+    sys.stdout.write(json.dumps(summary, indent=2) + "\n")
+    return 0
+  costs = (f"calibrated ({res.measured_ops} ops measured, "
+           f"{res.modelled_ops} modelled)" if table else
+           "roofline (no calibration)")
+  lines = [f"{path}: {len(graph)} nodes on {len(labels)} device(s) of "
+           f"{cluster.name}; costs: {costs}",
+           f"  step time {sim.step_time * 1e3:.4g} ms; communication "
+           f"{sim.comm_time * 1e3:.4g} ms over {res.transfers} transfers and "
+           f"{res.collectives} collectives; {len(sim.graph)} tasks "
+           f"simulated in {res.simulate_seconds:.3f} s"]
+  rows = [["device", "params", "optimizer", "const+in", "transient",
+           "peak", "busy ms", "idle", "comm ms"]]
+  fb = units.format_bytes
+  for row, mem in zip(sim.device_summary(), res.memory):
+    rows.append([mem.device, fb(mem.parameters), fb(mem.optimizer_state),
+                 fb(mem.constants + mem.inputs), fb(mem.transient_peak),
+                 fb(mem.peak), f"{row['busy'] * 1e3:.4g}",
+                 f"{100 * row['idle_fraction']:.1f}%",
+                 f"{row['comm'] * 1e3:.4g}"])
+  lines += _table(rows, "<" + ">" * 8)
+  lines.append("  (transient: activations, gradients and temporaries at "
+               "their simulated peak; sizes decimal)")
+  for name in ("trace", "gantt"):
+    if fv[name].value:
+      lines.append(f"  wrote {name} to {fv[name].value}")
+  sys.stdout.write("\n".join(lines) + "\n")
   return 0

@@ -83,12 +83,13 @@ def device_indices(graph, mapping=None):
 def place_by_layers(graph_def, num_devices, device_fn=None, report=None):
   """A copy of `graph_def` with each layer on one device, in layer order.
 
-  Layers (forward, backward and update ops, and their variables) are cut
-  into `num_devices` contiguous runs, so layer i goes to device
-  i * num_devices // layers: a pipeline-style placement for benchmarks.
+  Layers with parameters (their forward, backward and update ops, and their
+  variables) are cut into `num_devices` contiguous runs, so parameter layer
+  i of L goes to device i * num_devices // L: a pipeline-style placement
+  for benchmarks.
   device_fn(i) gives device i's string (default '/device:CPU:i').
   """
-  from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.layers import OPTIMIZER_LAYER, detect_layers  # pylint: disable=import-outside-toplevel
   from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
   if num_devices < 1:
     raise PlanError(f"place_by_layers needs at least 1 device, got "
@@ -100,8 +101,16 @@ def place_by_layers(graph_def, num_devices, device_fn=None, report=None):
   if report is None:
     report = detect_layers(graph)
   layers = sorted(report.layers, key=lambda l: l.index)
-  where = {l.name: i * num_devices // len(layers) for i, l in
-           enumerate(layers)}
+  model = [l for l in layers if l.variables]
+  where = {l.name: i * num_devices // len(model) for i, l in enumerate(model)}
+  # Layers without parameters (the loss, reshapes between blocks) go with
+  # the parameter layer before them; shared optimizer ops with device 0.
+  current = where[model[0].name] if model else 0
+  for layer in layers:
+    if layer.name in where:
+      current = where[layer.name]
+    elif layer.name != OPTIMIZER_LAYER:
+      where[layer.name] = current
   names = [device_fn(i) for i in range(num_devices)]
   for node in graph.nodes:
     node.device = names[where.get(report.layer_of.get(node.name), 0)]
