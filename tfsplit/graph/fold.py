@@ -18,7 +18,8 @@ from tensorflow.python.framework import tensor_util
 from tfsplit.graph.ir import Graph, parse_input
 
 _SHAPE_OPS = frozenset(["Shape", "Size", "Rank", "ShapeN"])
-_MAX_ELEMENTS = 4096  # never fold anything but small metadata tensors
+_MAX_ELEMENTS = 4096
+_SIZE_UNKNOWN_OK = frozenset(["BroadcastGradientArgs", "Where", "Unique", "Range"])  # never fold anything but small metadata tensors
 _NEVER_FOLD = frozenset(["Placeholder", "PlaceholderWithDefault", "VarHandleOp",
                          "ReadVariableOp", "NoOp", "Const", "Identity", "IdentityN"])
 
@@ -58,8 +59,10 @@ def fold_static_shapes(graph_def, shapes):
     if node.op in _NEVER_FOLD or _is_stateful(node.op):
       continue
     outs = shapes[name] if name in shapes else []
-    if not outs or any(o.num_elements is None or o.num_elements > _MAX_ELEMENTS
-                       for o in outs):
+    # Shape arithmetic whose result size is only known at run time (the
+    # reduction axes from BroadcastGradientArgs) is small by nature.
+    if not outs or (node.op not in _SIZE_UNKNOWN_OK and any(
+        o.num_elements is None or o.num_elements > _MAX_ELEMENTS for o in outs)):
       continue
     data = [parse_input(t) for t in node.input if not t.startswith("^")]
     if node.op in _SHAPE_OPS:
@@ -79,6 +82,7 @@ def fold_static_shapes(graph_def, shapes):
   out.versions.CopyFrom(graph_def.versions)
   out.library.CopyFrom(graph_def.library)
   needed = set(targets)
+  redirect = {}  # "node:k" of a folded multi-output node -> its Const
   for node in graph.nodes:
     if node.name in needed:
       outs = values[node.name]
@@ -91,6 +95,11 @@ def fold_static_shapes(graph_def, shapes):
         c = _const_node(f"{node.name}/folded_{i}", v, node.device)
         out.node.add().CopyFrom(c)
         names.append(c.name)
+        redirect[f"{node.name}:{i}"] = c.name
+        if i == 0:
+          redirect[node.name] = c.name
+      # Consumers read the Consts directly (so shape inference and the split
+      # rules see constant values); the IdentityN stays for control edges.
       ident = out.node.add()
       ident.name, ident.op, ident.device = node.name, "IdentityN", node.device
       ident.input.extend(names)
@@ -101,6 +110,11 @@ def fold_static_shapes(graph_def, shapes):
     if node.name in foldable:
       continue  # interior of a folded computation: no longer used
     out.node.add().CopyFrom(node)
+  if redirect:
+    for node in out.node:
+      for i, text in enumerate(node.input):
+        if text in redirect:
+          node.input[i] = redirect[text]
   return out
 
 
@@ -148,6 +162,8 @@ def _evaluate(graph, targets, foldable, shapes):
     new = g.node.add()
     new.CopyFrom(node)
     new.device = ""
+    if "_class" in new.attr:
+      del new.attr["_class"]  # colocation with nodes not in this subgraph
     del new.input[:]
     new.input.extend(t for t in node.input if not t.startswith("^"))
   with tf.Graph().as_default() as tmp:

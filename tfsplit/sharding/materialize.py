@@ -138,13 +138,29 @@ class Materializer(object):
     return node.name
 
   # --- resharding --------------------------------------------------------------
-  def reshard(self, src, port, have, want, consumer):
-    """Local tensor names (per device) of tensor src:port in sharding `want`."""
-    key = (src, port, want)
+  def source(self, src, port, consumer):
+    """(local tensor per device, sharding) of src:port as consumers see it."""
+    produced = self.prop.reduced_at_source.get((src, port))
+    if produced is None:
+      have = self.prop.outputs[src][port] if port < len(self.prop.outputs[src]) else None
+      return [_tensor(local_name(src, d), port) for d in range(self.mesh.size)], have
+    whole = produced.without_partial()
+    return self.reshard(src, port, produced, whole, consumer, raw=True), whole
+
+  def reshard(self, src, port, have, want, consumer, raw=False):
+    """Local tensor names (per device) of tensor src:port in sharding `want`.
+
+    Starts from the tensor as consumers see it (or, with raw=True, as its
+    producer left it).
+    """
+    key = (src, port, want, raw)
     if key in self.reshards:
       return self.reshards[key]
     info = self.shapes[src][port]
-    current = [_tensor(local_name(src, d), port) for d in range(self.mesh.size)]
+    if raw:
+      current = [_tensor(local_name(src, d), port) for d in range(self.mesh.size)]
+    else:
+      current, have = self.source(src, port, consumer)
     spec = have
     if want.partial - have.partial:
       raise PlanError(f"node '{consumer}': cannot make a partial sum of a whole tensor")
@@ -256,6 +272,8 @@ class Materializer(object):
       new.CopyFrom(node)
       new.name = local_name(node.name, d)
       new.device = self.mesh.devices[d]
+      if "_class" in new.attr:
+        del new.attr["_class"]
       shard_name = shard_variable_name(info.name, d)
       if node.op == "VarHandleOp":
         new.attr["shared_name"].s = shard_name.encode()
@@ -279,11 +297,9 @@ class Materializer(object):
     resolved = []
     for j, (_, (src, port)) in enumerate(data):
       want = decision.inputs[j]
-      have = self.prop.outputs[src][port] if port < len(self.prop.outputs[src]) else None
-      if want is None or have is None:
-        resolved.append([_tensor(local_name(src, d), port) for d in range(self.mesh.size)])
-      elif have == want:
-        resolved.append([_tensor(local_name(src, d), port) for d in range(self.mesh.size)])
+      local, have = self.source(src, port, node.name)
+      if want is None or have is None or have == want:
+        resolved.append(local)
       else:
         resolved.append(self.reshard(src, port, have, want, node.name))
     for d in range(self.mesh.size):
@@ -297,8 +313,11 @@ class Materializer(object):
       for pos, text in enumerate(node.input):
         if text.startswith("^"):
           new.input[pos] = "^" + local_name(text[1:], d)
-      if "_output_shapes" in new.attr:
-        del new.attr["_output_shapes"]
+      # Global shapes and colocation with original (now absent) node names
+      # would be wrong here; devices are explicit instead.
+      for attr in ("_output_shapes", "_class"):
+        if attr in new.attr:
+          del new.attr[attr]
       for attr in (variables_lib.INPUT_INDEX_ATTR, variables_lib.OUTPUT_INDEX_ATTR):
         if attr in new.attr:
           del new.attr[attr]
@@ -343,13 +362,11 @@ class Materializer(object):
   def _output(self, name):
     """The original output name, on device 0, whole, after every device's copy."""
     node = self.graph.node(name)
-    spec = self.prop.outputs[name][0]
     info = self.shapes[name][0]
     whole = Sharding.replicated(len(info.shape)) if info.shape is not None else None
+    local, spec = self.source(name, 0, name)
     if spec is not None and whole is not None and spec != whole:
       local = self.reshard(name, 0, spec, whole, name)
-    else:
-      local = [local_name(name, d) for d in range(self.mesh.size)]
     out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[0],
                                input=[local[0]] + [
                                    "^" + local_name(name, d) for d in range(1, self.mesh.size)])

@@ -35,6 +35,9 @@ class Propagation:
   variable_specs: Dict[str, Sharding]     # variable handle node -> sharding
   fallbacks: List[str]
   order: List[str]
+  # (node, port) -> the partial sharding it is produced in; consumers see it
+  # reduced (one all-reduce right after the producer, shared by all).
+  reduced_at_source: Dict[tuple, Sharding] = dataclasses.field(default_factory=dict)
 
   def spec(self, text):
     name, port = parse_input(text)
@@ -46,11 +49,42 @@ def _is_resource(info):
 
 
 def propagate(graph, shapes, mesh, variable_specs, input_specs=None):
-  """Propagation of shardings over `graph` (a tfsplit Graph)."""
-  input_specs = input_specs or {}
+  """Propagation of shardings over `graph` (a tfsplit Graph).
+
+  A partial sum that one consumer needs whole would otherwise be reduced
+  once for that consumer and again, later, for every linear consumer that
+  carried it on (a LayerNorm's beta gradient next to its input gradient).
+  So propagation repeats with such tensors reduced right at their producer
+  until nothing changes: each partial sum is then reduced exactly once.
+  """
+  reduce_at_source = set()
+  for _ in range(8):
+    prop = _propagate_once(graph, shapes, mesh, variable_specs, input_specs or {},
+                           reduce_at_source)
+    needed = _partials_needed_whole(graph, prop) - reduce_at_source
+    if not needed:
+      return prop
+    reduce_at_source |= needed
+  return prop
+
+
+def _partials_needed_whole(graph, prop):
+  """(node, port) of partial tensors some consumer requires non-partial."""
+  needed = set()
+  for name, decision in prop.decisions.items():
+    node = graph.node(name)
+    data = [parse_input(t) for t in node.input if not t.startswith("^")]
+    for (src, port), want in zip(data, decision.inputs):
+      have = prop.outputs[src][port] if port < len(prop.outputs[src]) else None
+      if have is not None and want is not None and have.partial - want.partial:
+        needed.add((src, port))
+  return needed
+
+
+def _propagate_once(graph, shapes, mesh, variable_specs, input_specs, reduce_at_source):
   order = graph.topological_order()
   var_nodes = {n.name for n in graph.nodes if variables_lib.is_variable_node(n)}
-  outputs, decisions, handle_source, fallbacks = {}, {}, {}, []
+  outputs, decisions, handle_source, fallbacks, reduced = {}, {}, {}, [], {}
   for name in var_nodes:
     handle_source[name] = name
   for name in order:
@@ -90,8 +124,12 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None):
       decision = _decide(ctx, fallbacks)
     decisions[name] = decision
     outputs[name] = list(decision.outputs)
+    for port, spec in enumerate(outputs[name]):
+      if spec is not None and spec.partial and (name, port) in reduce_at_source:
+        reduced[(name, port)] = spec
+        outputs[name][port] = spec.without_partial()
   return Propagation(decisions, outputs, handle_source, dict(variable_specs),
-                     fallbacks, order)
+                     fallbacks, order, reduced)
 
 
 def _decide(ctx, fallbacks):
