@@ -344,8 +344,9 @@ def _graph_main(fv, path):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   for name in ("params", "activations", "layers"):
     if fv[name].value is not None:
-      raise EstimateError(f"--{name} is for the size-only estimate; a graph "
-                          "brings its own sizes")
+      raise EstimateError(f"unexpected argument '{path}' with --{name}: give "
+                          "either a graph or the size-only flags (a graph "
+                          "brings its own sizes)")
   if fv["simulate-pipeline"].value:
     raise EstimateError("--simulate-pipeline is for uniform stages; with a "
                         "graph, place it with --place-layers instead")

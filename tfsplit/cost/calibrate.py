@@ -117,11 +117,42 @@ def _kernel_seconds(stats):
   return (stats.op_end_rel_micros - stats.op_start_rel_micros) * 1e-6
 
 
-def profile_graph(graph_def, repeats=10, traced=5, seed=0):
-  """Runs `graph_def` in a Session; returns its Profile.
+def _function_step_time(graph_def, graph, repeats, seed):
+  """Median seconds of calling `graph_def` as a TF2 function, untraced.
 
-  repeats untraced runs give the step time (median), `traced` FULL_TRACE runs
-  the per-node kernel times. Variables are fresh (small random values).
+  Timed the way a user runs a training step (an eager call of a function,
+  which costs more per call than Session.run), on fresh variables.
+  """
+  from tfsplit.runtime.graph_function import graph_inputs, import_graph  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  variables = []
+  for var in variables_lib.find_variables(graph):
+    if var.kind == "captured":
+      variables.append(tf.Variable(_feed_value(var.dtype, var.shape, rng),
+                                   name=var.name))
+  fn = import_graph(graph_def, variables)
+  args = []
+  for name in graph_inputs(graph):
+    node = graph.node(name)
+    args.append(tf.constant(_feed_value(
+        node.attr["dtype"].type,
+        tf.TensorShape(node.attr["shape"].shape).as_list(), rng)))
+  for _ in range(2):
+    fn(*args)
+  steps = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    fn(*args)
+    steps.append(time.perf_counter() - t0)
+  return statistics.median(steps)
+
+
+def profile_graph(graph_def, repeats=10, traced=5, seed=0):
+  """Runs `graph_def`; returns its Profile.
+
+  `repeats` untraced calls of the graph as a function give the step time
+  (median); `traced` FULL_TRACE Session runs the per-node kernel times.
+  Variables are fresh (small random values).
   """
   graph = Graph(graph_def)
   rng = np.random.default_rng(seed)
@@ -133,11 +164,6 @@ def profile_graph(graph_def, repeats=10, traced=5, seed=0):
     sess.run(init)
     for _ in range(2):
       sess.run(fetches, feeds)  # warm-up: Grappler, kernel creation
-    steps = []
-    for _ in range(repeats):
-      t0 = time.perf_counter()
-      sess.run(fetches, feeds)
-      steps.append(time.perf_counter() - t0)
     options = tf.compat.v1.RunOptions(
         trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
     for _ in range(traced):
@@ -151,8 +177,8 @@ def profile_graph(graph_def, repeats=10, traced=5, seed=0):
           if stats.node_name in names:
             node_times[stats.node_name].append(seconds)
       sums.append(total)
-  return Profile(dict(node_times), statistics.median(steps),
-                 statistics.median(sums))
+  step = _function_step_time(graph_def, graph, repeats, seed)
+  return Profile(dict(node_times), step, statistics.median(sums))
 
 
 def entries_from_profile(graph, shapes, profile):

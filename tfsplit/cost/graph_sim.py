@@ -218,18 +218,20 @@ class _Builder:
   def read(self, src, port, device):
     """(deps, owner) for reading output `port` of `src` on `device`."""
     task = self.task_of.get(src)
-    if task is None:
-      return [], None
     src_dev = self.device_of.get(src, 0)
+    if task is None and (src_dev == device or src in self.var_nodes):
+      return [], None  # static (input, constant) or a variable's handle
     owner = self.owner.get((src, port))
-    if src_dev == device:
+    if task is None:
+      deps = [self.start] if self.start is not None else []
+    else:
       deps = [task] if owner is None or owner == task else [task, owner]
+    if src_dev == device:
       return deps, owner
     key = (src, port, device)
     copy = self.copies.get(key)
     if copy is None:
       nbytes = self.nbytes(src, port)
-      deps = [task] if owner is None or owner == task else [task, owner]
       copy = self.tg.add_task(
           f"copy {src}:{port} -> {self.labels[device]}",
           self.p2p(src_dev, device),

@@ -1,0 +1,173 @@
+"""Per-op cost, graph simulation, calibration and estimates against measurements."""
+import json
+import os
+import sys
+
+import pytest
+import tensorflow as tf
+
+from tfsplit.cli import run
+from tfsplit.cost import collectives
+from tfsplit.cost import graph_sim
+from tfsplit.cost import op_cost
+from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
+from tfsplit.graph import Graph, infer_shapes, load_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(ROOT, "examples")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench_estimate  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLOPS = 1e9        # per device
+LINK = 1e7         # bytes/s between the two devices, no latency
+F32 = 100 * 100 * 4
+ROUNDED = 40192    # F32 rounded up to the allocator's 256 bytes
+
+
+def _cluster(n=2):
+  host = Host("h", Link(LINK, 0.0), Link(LINK, 0.0))
+  devices = [Device(f"d{i}", "h", "test", 10**9, 1e15, {"float32": FLOPS})
+             for i in range(n)]
+  return ClusterSpec(devices, [host], name="test")
+
+
+def _two_device_graph():
+  """x on d0; a = x@x on d0; b = x@x on d1 after ^a; c = a@b on d1;
+  e = x@x on d0 after ^b (a control edge across devices)."""
+  g = tf.Graph()
+  with g.as_default():
+    with g.device("/device:CPU:0"):
+      x = tf.compat.v1.placeholder(tf.float32, [100, 100], name="x")
+      a = tf.linalg.matmul(x, x, name="a")
+    with g.device("/device:CPU:1"):
+      with tf.control_dependencies([a]):
+        b = tf.linalg.matmul(x, x, name="b")
+      tf.linalg.matmul(a, b, name="c")
+    with g.device("/device:CPU:0"):
+      with tf.control_dependencies([b]):
+        tf.linalg.matmul(x, x, name="e")
+  return g.as_graph_def()
+
+
+def test_matmul_cost_is_exact_and_roofline_picks_the_bound():
+  graph = Graph(_two_device_graph())
+  shapes = infer_shapes(graph, [])
+  cost = op_cost.node_cost(graph.node("a"), shapes, graph)
+  assert cost.flops == 2 * 100 * 100 * 100
+  assert (cost.bytes_read, cost.bytes_written) == (2 * F32, F32)
+  model = op_cost.CostModel(_cluster())
+  assert model.compute_time(cost) == pytest.approx(2e6 / FLOPS)
+  view = op_cost.node_cost(graph.node("x"), shapes, graph)
+  assert view.flops == 0 and view.bytes_moved == 0
+
+
+def test_simulation_honours_control_edges_and_transfers():
+  res = graph_sim.simulate_graph(_two_device_graph(), _cluster(),
+                                 variables=[])
+  sim, t = res.sim, res.task_of
+  mm, copy = 2e6 / FLOPS, F32 / LINK            # 2 ms, 4 ms
+  assert res.transfers == 2                    # x and a to d1, once each
+  assert sim.end[t["a"]] == pytest.approx(mm)
+  # b waits for the copy of x (and, by control, for a), then runs.
+  assert sim.start[t["b"]] == pytest.approx(copy)
+  # a's copy queues behind x's on the one link, then c runs.
+  assert sim.start[t["c"]] == pytest.approx(2 * copy)
+  assert sim.end[t["c"]] == pytest.approx(2 * copy + mm)
+  # e could start at 2 ms on d0, but its control edge waits for b on d1.
+  assert sim.start[t["e"]] == pytest.approx(copy + mm)
+  assert res.step_time == pytest.approx(2 * copy + mm)
+  assert sim.comm_time == pytest.approx(2 * copy)
+  # d1 holds x's copy and b while a's copy arrives (4..6 ms), then a's copy,
+  # b and c; x itself is an input, static on d0.
+  assert res.memory[1].peak == 3 * ROUNDED
+  assert res.memory[0].inputs == ROUNDED
+
+
+def test_collective_members_wait_for_one_alpha_beta_task():
+  g = tf.Graph()
+  with g.as_default():
+    outs = []
+    for d in range(2):
+      with g.device(f"/device:CPU:{d}"):
+        x = tf.compat.v1.placeholder(tf.float32, [1000], name=f"x{d}")
+        outs.append(tf.raw_ops.CollectiveReduceV2(
+            input=x, group_size=2, group_key=1, instance_key=7,
+            ordering_token=[], merge_op="Add", final_op="Id", name=f"r{d}"))
+  graph = Graph(g.as_graph_def())
+  shapes = infer_shapes(graph, [])
+  cost = op_cost.node_cost(graph.node("r0"), shapes, graph)
+  assert (cost.comm, cost.comm_bytes, cost.group_size) == ("all_reduce",
+                                                          4000, 2)
+  cluster = _cluster()
+  res = graph_sim.simulate_graph(graph, cluster, shapes=shapes, variables=[])
+  expected = collectives.ring_all_reduce(2, 4000, Link(LINK, 0.0))
+  assert res.collectives == 1
+  assert res.step_time == pytest.approx(expected)
+  assert res.sim.end[res.task_of["r1"]] == pytest.approx(expected)
+
+
+def test_measured_costs_override_the_roofline(tmp_path):
+  graph = Graph(_two_device_graph())
+  shapes = infer_shapes(graph, [])
+  node = graph.node("a")
+  sig = op_cost.signature(node, shapes)
+  assert sig.startswith("MatMul|float32|[100,100],[100,100]|[100,100]")
+  table = op_cost.CostTable(entries={sig: 0.5}, op_factor={"MatMul": 3.0},
+                            time_scale=2.0, op_overhead=0.25)
+  path = str(tmp_path / "table.json")
+  table.save(path)
+  table = op_cost.CostTable.load(path)
+  model = op_cost.CostModel(_cluster(), table)
+  cost = op_cost.node_cost(node, shapes, graph)
+  assert model.compute_time(cost, 0, sig) == pytest.approx(0.5 * 2 + 0.25)
+  # Shapes never measured: the op type's factor corrects the roofline.
+  assert model.compute_time(cost, 0, "MatMul|other") == pytest.approx(
+      0.25 + 3.0 * 2e6 / FLOPS)
+  (tmp_path / "bad.json").write_text("{\"version\": 99}")
+  with pytest.raises(op_cost.CostTableError, match="rerun"):
+    op_cost.CostTable.load(str(tmp_path / "bad.json"))
+
+
+def test_place_by_layers_spreads_parameters_over_devices():
+  graph_def = load_graph(os.path.join(EXAMPLES, "gpt_raw_train_tiny.pb"))
+  placed = graph_sim.place_by_layers(graph_def, 4)
+  res = graph_sim.simulate_graph(placed, _cluster(4))
+  assert len(res.memory) == 4
+  assert all(m.parameters > 0 for m in res.memory)
+  assert res.transfers > 0 and res.step_time > 0
+
+
+def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
+  graph = os.path.join(EXAMPLES, "mlp_raw_train_tiny.pb")
+  table = str(tmp_path / "table.json")
+  assert run(["tfsplit", "calibrate", graph, "--out", table, "--repeats", "2",
+              "--traced", "1"]) == 0
+  assert "measured op shapes" in capsys.readouterr().out
+  assert json.load(open(table, encoding="utf-8"))["entries"]
+  trace = str(tmp_path / "step.json")
+  assert run(["tfsplit", "estimate", graph, "--calibration", table,
+              "--trace", trace, "--format", "json"]) == 0
+  out = json.loads(capsys.readouterr().out)
+  assert out["measured_ops"] > 0 and out["modelled_ops"] == 0
+  assert out["devices"][0]["memory"]["parameters"] > 0
+  assert json.load(open(trace, encoding="utf-8"))["traceEvents"]
+  assert run(["tfsplit", "estimate", graph, "--calibration",
+              str(tmp_path / "none.json")]) == 2
+  assert "does not exist" in capsys.readouterr().err
+
+
+MODELS = ["mlp_raw:small", "gpt_raw:small", "gpt_keras3:small"]
+
+
+@pytest.mark.parametrize("spec", MODELS)
+def test_memory_estimate_within_15_percent_of_allocator_peak(spec):
+  r = bench_estimate.run_one(spec, with_time=False)
+  assert r["estimated_peak"] == pytest.approx(r["measured_peak"], rel=0.15), r
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", MODELS)
+def test_calibrated_step_time_within_25_percent(spec):
+  r = bench_estimate.run_one(spec, steps=30, with_time=True)
+  assert r["calibrated_step"] == pytest.approx(r["measured_step"],
+                                               rel=0.25), r
