@@ -13,6 +13,7 @@ outputs keep their original names (on device 0) so callers see the same
 signature. Variables become one variable per device, recorded in a manifest.
 """
 import dataclasses
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -109,7 +110,10 @@ class Materializer(object):
     self.reshards = {}     # (tensor, target) -> [local tensor per device]
     self.collectives = []  # CollectiveRecord
     self.manifest = {}
-    self.instance_key = 0
+    # Instance keys start from a fingerprint of the input graph: unique across
+    # the different split graphs one process may run, yet deterministic.
+    self.instance_key = (zlib.crc32(graph.graph_def.SerializeToString(
+        deterministic=True)) & 0x0FFFFFFF) << 2
     self.group_keys = {}
 
   # --- bookkeeping -----------------------------------------------------------
@@ -126,11 +130,11 @@ class Materializer(object):
     self.out.node.add().CopyFrom(node)
 
   def _group_key(self, axis, device_id):
-    index, members = self.mesh.group_of(device_id, axis)
-    key = (axis, index)
-    if key not in self.group_keys:
-      self.group_keys[key] = len(self.group_keys) + 1
-    return self.group_keys[key], members
+    """A key fixed by the group's device names: TF keys groups per process,
+    so one key must always mean the same members (and size)."""
+    _, members = self.mesh.group_of(device_id, axis)
+    names = ",".join(self.mesh.devices[m] for m in members)
+    return (zlib.crc32(names.encode()) & 0x3FFFFFFF) + 1, members
 
   def _int_const(self, base, value, device):
     node = _const(self.unique(base), np.asarray(value, np.int32), device)
@@ -367,9 +371,12 @@ class Materializer(object):
     local, spec = self.source(name, 0, name)
     if spec is not None and whole is not None and spec != whole:
       local = self.reshard(name, 0, spec, whole, name)
+    # Control inputs from every device's copy: a collective member that no
+    # fetched node depends on is pruned, and its peers would wait forever.
     out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[0],
                                input=[local[0]] + [
-                                   "^" + local_name(name, d) for d in range(1, self.mesh.size)])
+                                   "^" + parse_input(local[d])[0]
+                                   for d in range(1, self.mesh.size)])
     out.attr["T"].type = info.dtype
     if variables_lib.OUTPUT_INDEX_ATTR in node.attr:
       out.attr[variables_lib.OUTPUT_INDEX_ATTR].CopyFrom(

@@ -1,0 +1,153 @@
+"""Operator splitting: split graphs compute what the single-device graph computes."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfsplit
+from tfsplit import models
+from tfsplit.errors import PlanError
+from tfsplit.graph import load_graph
+from tfsplit.runtime import shards as shards_lib
+from tfsplit.runtime.graph_function import import_graph
+from tfsplit.runtime.split_function import make_mesh
+from tfsplit.sharding.split_pass import split_graph
+
+_CACHE = {}
+# Collectives fail after this long instead of hanging a test run.
+TIMEOUT = 60.0
+
+
+def _example(name):
+  if name not in _CACHE:
+    _CACHE[name] = models.build(name, size="tiny", seed=0)
+  return _CACHE[name]
+
+
+def _names(ex):
+  return list(zip(ex.all_variables(), ex.variable_names()))
+
+
+def _close(got, want, what):
+  """Relative error against the tensor's scale (at least 1: Adam moves every
+  weight by about the learning rate, whatever its size)."""
+  got, want = np.asarray(got), np.asarray(want)
+  err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0) if want.size else 0
+  assert err <= 1e-4, f"{what}: relative error {err:.2e}"
+
+
+def _run_split(ex, kind, mesh, steps):
+  graph_def = load_graph(ex.concrete(kind), variable_names=_names(ex))
+  result = split_graph(graph_def, make_mesh(mesh), timeout_seconds=TIMEOUT)
+  full = {n: v.numpy() for v, n in _names(ex)}
+  shard_vars = shards_lib.create_shard_variables(result.manifest, full)
+  fn = import_graph(result.graph_def, shard_vars)
+  inputs = [tf.constant(x) for x in ex.make_inputs(kind, seed=5)]
+  outs = [fn(*inputs)[0].numpy() for _ in range(steps)]
+  return result, outs, shard_vars, inputs
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "tp=4"])
+@pytest.mark.parametrize("name", ["mlp_raw", "gpt_raw", "gpt_tfkeras"])
+def test_forward_matches(name, mesh):
+  ex = _example(name)
+  result, outs, _, inputs = _run_split(ex, "forward", mesh, 1)
+  want = ex.forward(*inputs).numpy()
+  np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+  assert not result.fallbacks
+  assert result.variable_specs  # something was actually split
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "tp=4"])
+@pytest.mark.parametrize("name", ["gpt_raw", "gpt_keras3", "gpt_tfkeras"])
+def test_training_matches_single_device(name, mesh):
+  ex = _example(name)
+  variables = ex.all_variables()
+  start = [v.numpy().copy() for v in variables]
+  step = tfsplit.split(ex.train_step, mesh=mesh, input_signature=ex.train_signature,
+                       variable_names=_names(ex), timeout_seconds=TIMEOUT)
+  inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=7)]
+  got = [float(step(*inputs)) for _ in range(3)]
+  want = [float(ex.train_step(*inputs)) for _ in range(3)]
+  for g, w in zip(got, want):
+    _close(g, w, "loss")
+  full = step.full_values()
+  for v, n in _names(ex):
+    _close(full[n], v.numpy(), n)
+  # Something was split, and assign_back restores the split run's values.
+  assert any(s for s in step.result.variable_specs.values())
+  step.assign_back()
+  for v, n in _names(ex):
+    np.testing.assert_array_equal(v.numpy(), full[n])
+  for v, s in zip(variables, start):
+    v.assign(s)
+
+
+@pytest.mark.parametrize("name", ["gpt_raw", "gpt_keras3", "gpt_tfkeras"])
+def test_megatron_collective_count(name):
+  """Exactly 2 all-reduces forward and 2 backward per block; no weight gathered."""
+  ex = _example(name)
+  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
+  result = split_graph(graph_def, make_mesh("tp=2"))
+  blocks = ex.config.blocks
+  reduces = [c for c in result.collectives if c.kind == "all_reduce"]
+  forward = [c for c in reduces if not c.tensor.startswith("gradient_tape/")
+             and not c.tensor.startswith("AddN")]
+  assert len(forward) == 2 * blocks, [c.tensor for c in forward]
+  assert len(reduces) == 4 * blocks, [c.tensor for c in reduces]
+  assert result.count("all_gather") == 0, [c.tensor for c in result.collectives]
+  for b in range(blocks):
+    assert sum(f"block_{b}" in c.tensor for c in forward) == 2
+  # Every all-reduce moves one b*s*h activation (Megatron's optimum).
+  cfg = ex.config
+  for c in reduces:
+    assert c.num_elements == cfg.batch * cfg.seq * cfg.hidden
+
+
+def test_output_is_deterministic():
+  ex = _example("gpt_raw")
+  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
+  a = split_graph(graph_def, make_mesh("tp=2")).graph_def.SerializeToString(deterministic=True)
+  b = split_graph(graph_def, make_mesh("tp=2")).graph_def.SerializeToString(deterministic=True)
+  assert a == b
+
+
+def test_heads_not_divisible_is_a_clear_error():
+  ex = models.build("gpt_tfkeras", size="tiny", seed=0)  # 4 heads
+  graph_def = load_graph(ex.concrete("forward"), variable_names=_names(ex))
+  with pytest.raises(PlanError, match=r"does not divide by tp=3"):
+    split_graph(graph_def, make_mesh("tp=3"))
+
+
+def test_mesh_larger_than_devices():
+  with pytest.raises(PlanError, match=r"needs 8 devices but this process has 4"):
+    make_mesh("tp=8")
+
+
+def test_op_without_rule_falls_back_exactly():
+  """An op with no split rule between the pair is replicated (logged), not wrong."""
+  w1 = tf.Variable(np.random.RandomState(0).randn(8, 16).astype(np.float32), name="w1")
+  w2 = tf.Variable(np.random.RandomState(1).randn(16, 4).astype(np.float32), name="w2")
+
+  @tf.function
+  def f(x):
+    h = tf.matmul(x, w1)
+    h = tf.math.cumsum(h, axis=1)  # no split rule for Cumsum
+    return tf.matmul(h, w2)
+  x = np.random.RandomState(2).randn(2, 8).astype(np.float32)
+  step = tfsplit.split(f, mesh="tp=2", input_signature=[tf.TensorSpec([2, 8])],
+                       timeout_seconds=TIMEOUT)
+  assert any("Cumsum" in msg for msg in step.result.fallbacks)
+  np.testing.assert_allclose(step(tf.constant(x)).numpy(), f(x).numpy(), rtol=1e-5)
+
+
+def test_annotations_override_strategy():
+  w = tf.Variable(np.arange(32, dtype=np.float32).reshape(4, 8), name="w")
+
+  @tf.function
+  def f(x):
+    return tf.nn.relu(tf.matmul(x, w))
+  step = tfsplit.split(f, mesh="tp=2", strategy="none", annotations={"w": (None, "tp")},
+                       input_signature=[tf.TensorSpec([3, 4])])
+  assert step.manifest["w"]["shards"][1]["offsets"] == [0, 4]
+  x = np.ones([3, 4], np.float32)
+  np.testing.assert_allclose(step(tf.constant(x)).numpy(), f(x).numpy())

@@ -1,0 +1,84 @@
+"""Moving variable values between full tensors and per-device shards.
+
+The manifest written by the splitting pass records, for each original
+variable, its global shape and, per device, the shard's name, device,
+offsets and shape. These helpers use it to create shard variables from full
+values (or a checkpoint), and to put full values back together.
+"""
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from tfsplit.errors import TfsplitError
+
+
+def load_manifest(path):
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise TfsplitError(f"{path}: cannot read the shard manifest ({e})") from None
+  return data.get("variables", data)
+
+
+def _slices(shard):
+  return tuple(slice(o, o + s) for o, s in zip(shard["offsets"], shard["shape"]))
+
+
+def shard_values(manifest, full_values):
+  """{shard name: numpy value} from {variable name: full numpy value}."""
+  out = {}
+  for name, entry in manifest.items():
+    if name not in full_values:
+      raise TfsplitError(f"no value for variable '{name}'; give every variable the "
+                         "graph uses")
+    value = np.asarray(full_values[name])
+    if list(value.shape) != list(entry["shape"]):
+      raise TfsplitError(f"variable '{name}': value has shape {list(value.shape)}, the "
+                         f"graph expects {entry['shape']}")
+    for shard in entry["shards"]:
+      out[shard["name"]] = value[_slices(shard)]
+  return out
+
+
+def full_values(manifest, shard_values_by_name):
+  """{variable name: full numpy value} assembled from shard values.
+
+  Replicated shards must agree; the first device's copy is used.
+  """
+  out = {}
+  for name, entry in manifest.items():
+    first = np.asarray(shard_values_by_name[entry["shards"][0]["name"]])
+    full = np.zeros(entry["shape"], first.dtype)
+    for shard in entry["shards"]:
+      full[_slices(shard)] = np.asarray(shard_values_by_name[shard["name"]])
+    out[name] = full
+  return out
+
+
+def create_shard_variables(manifest, full_values_by_name):
+  """{shard name: tf.Variable on its device} initialised from full values."""
+  values = shard_values(manifest, full_values_by_name)
+  variables = {}
+  for entry in manifest.values():
+    for shard in entry["shards"]:
+      with tf.device(shard["device"]):
+        variables[shard["name"]] = tf.Variable(values[shard["name"]],
+                                               name=shard["name"].replace(":", "_"))
+  return variables
+
+
+def full_values_from_checkpoint(path, names):
+  """{name: value} read from a TF checkpoint (keys as saved by tf.train.Checkpoint
+  or Keras: the variable name or object path)."""
+  reader = tf.train.load_checkpoint(path)
+  keys = reader.get_variable_to_shape_map()
+  out = {}
+  for name in names:
+    candidates = [k for k in keys if k == name or k.startswith(name + "/.ATTRIBUTES")
+                  or k.endswith("/" + name + "/.ATTRIBUTES/VARIABLE_VALUE")]
+    if not candidates:
+      raise TfsplitError(f"checkpoint {path} has no variable '{name}'")
+    out[name] = reader.get_tensor(candidates[0])
+  return out

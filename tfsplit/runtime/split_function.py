@@ -1,0 +1,103 @@
+"""`tfsplit.split`: wrap an existing tf.function as a split, multi-device callable.
+
+    step = tfsplit.split(train_step, mesh="tp=2", strategy="megatron",
+                         input_signature=[tf.TensorSpec([8, 64], tf.int32), ...])
+    loss = step(tokens, labels)        # runs on the mesh's devices
+    step.assign_back()                  # full values back into the model's variables
+
+The function is traced once, its graph split (tfsplit.sharding), and the
+result imported with wrap_function over shard variables created from the
+current values of the function's variables.
+"""
+import numpy as np
+import tensorflow as tf
+
+from tfsplit.errors import PlanError
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.io import load_graph
+from tfsplit.runtime import shards as shards_lib
+from tfsplit.runtime.graph_function import import_graph
+from tfsplit.sharding.mesh import Mesh
+from tfsplit.sharding.split_pass import split_graph
+
+
+def available_devices():
+  """Logical GPUs if any, else logical CPUs (full names)."""
+  for kind in ("GPU", "CPU"):
+    devices = [d.name for d in tf.config.list_logical_devices(kind)]
+    if devices:
+      return devices
+  return []
+
+
+def make_mesh(mesh):
+  """A Mesh from 'tp=4' / a dict / a Mesh, placed on this process's devices."""
+  if isinstance(mesh, Mesh):
+    return mesh
+  axes = Mesh.parse(mesh).axes if isinstance(mesh, str) else dict(mesh)
+  devices = available_devices()
+  size = int(np.prod(list(axes.values())))
+  if size > len(devices):
+    raise PlanError(
+        f"mesh {','.join(f'{k}={v}' for k, v in axes.items())} needs {size} devices but "
+        f"this process has {len(devices)} ({', '.join(devices)}); use a smaller mesh, or "
+        "split one device into logical ones with tf.config.set_logical_device_configuration "
+        "before TensorFlow starts")
+  return Mesh(axes, devices[:size])
+
+
+def _captured_variables(concrete_fn, graph_def):
+  """{recorded variable name: tf.Variable} for a loaded ConcreteFunction."""
+  by_handle = {id(v.handle): v for v in concrete_fn.graph.variables
+               if getattr(v, "handle", None) is not None}
+  by_node = {}
+  for external, internal in concrete_fn.graph.captures:
+    if id(external) in by_handle:
+      by_node[internal.op.name] = by_handle[id(external)]
+  out = {}
+  for node in graph_def.node:
+    if variables_lib.VAR_NAME_ATTR in node.attr and node.name in by_node:
+      out[node.attr[variables_lib.VAR_NAME_ATTR].s.decode()] = by_node[node.name]
+  return out
+
+
+class SplitFunction(object):
+  """A split tf.function: call it like the original; its variables are shards."""
+
+  def __init__(self, fn, mesh, strategy="megatron", input_signature=None,
+               annotations=None, variable_names=None, timeout_seconds=None):
+    self.mesh = make_mesh(mesh)
+    concrete = (fn.get_concrete_function(*input_signature) if input_signature
+                else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
+        else fn
+    self.original_graph_def = load_graph(concrete, variable_names=variable_names)
+    self.original_variables = _captured_variables(concrete, self.original_graph_def)
+    self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
+                              annotations=annotations, timeout_seconds=timeout_seconds)
+    self.manifest = self.result.manifest
+    self.graph_def = self.result.graph_def
+    values = {name: var.numpy() for name, var in self.original_variables.items()}
+    self.variables = shards_lib.create_shard_variables(self.manifest, values)
+    self._fn = import_graph(self.graph_def, self.variables)
+    self._structured_outputs = concrete.structured_outputs
+
+  def __call__(self, *args):
+    outputs = self._fn(*args)
+    return outputs[0] if len(outputs) == 1 else outputs
+
+  def full_values(self):
+    """{variable name: numpy value} assembled from the shards."""
+    return shards_lib.full_values(
+        self.manifest, {k: v.numpy() for k, v in self.variables.items()})
+
+  def assign_back(self):
+    """Writes the assembled values into the original function's variables."""
+    for name, value in self.full_values().items():
+      self.original_variables[name].assign(value)
+
+
+def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
+          variable_names=None, timeout_seconds=None):
+  """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc)."""
+  return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
+                       timeout_seconds)
