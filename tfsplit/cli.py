@@ -12,6 +12,8 @@ import sys
 # commands that do not need TensorFlow start fast.
 COMMANDS = {
     "inspect": ("tfsplit.commands.inspect_cmd", "op histogram, variables and layer table of a graph"),
+    "rewrite": ("tfsplit.commands.rewrite_cmd", "split a graph over a device mesh (writes graph + shard manifest)"),
+    "verify": ("tfsplit.commands.verify_cmd", "run original and rewritten graphs on seeded inputs and compare"),
     "estimate": ("tfsplit.commands.estimate_cmd", "memory of model states from a parameter count; pipeline bubble simulation"),
     "calibrate": ("tfsplit.commands.calibrate_cmd", "measure op costs on this machine into a cost table"),
 }
@@ -38,7 +40,9 @@ def _quiet_tensorflow():
   devnull = os.open(os.devnull, os.O_WRONLY)
   try:
     os.dup2(devnull, 2)
-    import tensorflow  # pylint: disable=import-outside-toplevel,unused-import
+    import tensorflow  # pylint: disable=import-outside-toplevel
+    # Listing devices probes CUDA, which logs an error on machines without it.
+    tensorflow.config.list_physical_devices()
   except ImportError:
     pass  # reported below, with stderr back, when a command needs it
   finally:
