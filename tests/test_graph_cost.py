@@ -156,7 +156,9 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   assert "does not exist" in capsys.readouterr().err
 
 
-MODELS = ["mlp_raw:small", "gpt_raw:small", "gpt_keras3:small"]
+# Three models of ~11 MB peak; the small MLP (~0.8 MB) swings by 25% between
+# processes (allocator rounding and Grappler order), more than the tolerance.
+MODELS = ["gpt_raw:small", "gpt_keras3:small", "gpt_tfkeras:small"]
 
 
 @pytest.mark.parametrize("spec", MODELS)

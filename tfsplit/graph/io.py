@@ -21,7 +21,7 @@ from tensorflow.python.framework import op_def_registry
 from tfsplit.errors import GraphLoadError, GraphValidationError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.functions import inline_functions
-from tfsplit.graph.ir import Graph
+from tfsplit.graph.ir import Graph, without_gc
 
 TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
 
@@ -195,6 +195,7 @@ def _is_tf_function(obj):
   return hasattr(obj, "get_concrete_function") and callable(obj)
 
 
+@without_gc
 def load_graph(source, signature=None, input_signature=None, inline=True,
                validate=True, variable_names=None):
   """Loads `source` as a flat, validated, annotated GraphDef (see module doc).

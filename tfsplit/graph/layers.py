@@ -27,7 +27,7 @@ from typing import Dict, List, Optional
 
 from tfsplit.graph import flops as flops_lib
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.ir import Graph, parse_input
+from tfsplit.graph.ir import Graph, parse_input, without_gc
 
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 TOP_LAYER = "(top)"          # forward ops above the layer scopes (e.g. the loss)
@@ -130,6 +130,7 @@ def _common_prefix(paths):
   return prefix
 
 
+@without_gc
 def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   """LayerReport for a Graph (or GraphDef).
 

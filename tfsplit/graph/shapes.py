@@ -23,7 +23,7 @@ from tensorflow.python.grappler import item as grappler_item
 
 from tfsplit.errors import GraphValidationError
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.ir import Graph, parse_input
+from tfsplit.graph.ir import Graph, parse_input, without_gc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,6 +143,7 @@ def _run_inference(graph, var_shapes):
   return props
 
 
+@without_gc
 def infer_shapes(graph, variables=None):
   """ShapeMap for `graph` (a tfsplit Graph or a GraphDef).
 

@@ -19,7 +19,7 @@ from absl import logging
 from tfsplit.errors import PlanError
 from tfsplit.graph import Graph, find_variables, infer_shapes
 from tfsplit.graph.fold import fold_static_shapes
-from tfsplit.graph.ir import parse_input
+from tfsplit.graph.ir import parse_input, without_gc
 from tfsplit.graph.layers import detect_layers
 from tfsplit.sharding.materialize import Materializer
 from tfsplit.sharding.propagate import propagate
@@ -100,6 +100,7 @@ def _inferred_specs(graph, prop, variables, explicit):
   return found
 
 
+@without_gc
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None):
   """Splits `graph_def` over `mesh` (see module doc).
