@@ -175,3 +175,43 @@ def _evaluate(graph, targets, foldable, shapes):
     with tf.compat.v1.Session(graph=tmp) as sess:
       result = sess.run(fetches)
   return {k: [np.asarray(v) for v in vals] for k, vals in result.items()}
+
+
+def expand_identity_n(graph_def):
+  """GraphDef -> GraphDef with every IdentityN replaced by one Identity per output.
+
+  IdentityN only groups tensors (Keras passes all gradients through one);
+  kept whole, every consumer of any of its outputs would depend on all of
+  them, which splitting cannot afford. Consumers of `n:k` read `n/output_k`;
+  a NoOp keeps the name `n` for control edges.
+  """
+  graph = Graph(graph_def)
+  targets = [n for n in graph.nodes if n.op == "IdentityN"]
+  if not targets:
+    return graph_def
+  out = graph_pb2.GraphDef()
+  out.versions.CopyFrom(graph_def.versions)
+  out.library.CopyFrom(graph_def.library)
+  redirect = {}
+  for node in graph.nodes:
+    if node.op != "IdentityN":
+      out.node.add().CopyFrom(node)
+      continue
+    data = [t for t in node.input if not t.startswith("^")]
+    controls = [t for t in node.input if t.startswith("^")]
+    outs = []
+    for k, (text, dtype) in enumerate(zip(data, node.attr["T"].list.type)):
+      ident = out.node.add(name=f"{node.name}/output_{k}", op="Identity",
+                           device=node.device, input=[text] + controls)
+      ident.attr["T"].type = dtype
+      redirect[f"{node.name}:{k}"] = ident.name
+      if k == 0:
+        redirect[node.name] = ident.name
+      outs.append(ident.name)
+    out.node.add(name=node.name, op="NoOp", device=node.device,
+                 input=["^" + o for o in outs])
+  for node in out.node:
+    for i, text in enumerate(node.input):
+      if text in redirect:
+        node.input[i] = redirect[text]
+  return out

@@ -60,7 +60,7 @@ class OpContext:
     return len(self.out_infos[k].shape)
 
   def axis_size(self, axis):
-    return self.mesh.axes[axis]
+    return self.mesh.size_of(axis)
 
 
 def replicated_like(ctx):

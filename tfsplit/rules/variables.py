@@ -67,3 +67,25 @@ def resource_apply(ctx):
     else:
       req.append(s.without_partial().with_dims((None,) * s.rank))
   return Decision(req, [])
+
+
+@register("UnsortedSegmentSum")
+def unsorted_segment_sum(ctx):
+  """Sparse gradients of embeddings: summing per shard of the ids, then over
+  shards, is the same sum, so a split of the ids' dimensions leaves a partial."""
+  data, ids = ctx.in_specs[0], ctx.in_specs[1].without_partial()
+  r = ids.rank
+  dims = list(data.dims)
+  partial = set(data.partial)
+  for i in range(r):
+    if dims[i] is not None and ids.dims[i] == dims[i]:
+      partial.add(dims[i])
+    else:
+      dims[i] = None
+  req_ids = Sharding(tuple(dims[:r]))
+  out = (None,) + tuple(dims[r:])
+  if partial & set(out):
+    return Decision([Sharding.replicated(data.rank), Sharding.replicated(r), ctx.in_specs[2]],
+                    [Sharding.replicated(len(out))], fallback="partial and split on one axis")
+  return Decision([Sharding(tuple(dims), data.partial), req_ids, ctx.in_specs[2]],
+                  [Sharding(out, frozenset(partial))])

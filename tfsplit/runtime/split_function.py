@@ -65,7 +65,8 @@ class SplitFunction(object):
   """A split tf.function: call it like the original; its variables are shards."""
 
   def __init__(self, fn, mesh, strategy="megatron", input_signature=None,
-               annotations=None, variable_names=None, timeout_seconds=None):
+               annotations=None, variable_names=None, timeout_seconds=None,
+               microbatches=1):
     self.mesh = make_mesh(mesh)
     concrete = (fn.get_concrete_function(*input_signature) if input_signature
                 else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
@@ -73,7 +74,8 @@ class SplitFunction(object):
     self.original_graph_def = load_graph(concrete, variable_names=variable_names)
     self.original_variables = _captured_variables(concrete, self.original_graph_def)
     self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
-                              annotations=annotations, timeout_seconds=timeout_seconds)
+                              annotations=annotations, timeout_seconds=timeout_seconds,
+                              microbatches=microbatches)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -97,7 +99,11 @@ class SplitFunction(object):
 
 
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
-          variable_names=None, timeout_seconds=None):
-  """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc)."""
+          variable_names=None, timeout_seconds=None, microbatches=1):
+  """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
+
+  mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
+  microbatches: in-graph gradient accumulation over m micro-batches.
+  """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
-                       timeout_seconds)
+                       timeout_seconds, microbatches)

@@ -23,12 +23,21 @@ from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
-from tfsplit.errors import PlanError
+from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.ir import parse_input
+from tfsplit.graph.ir import Graph, parse_input
 from tfsplit.graph.layers import graph_outputs
+from tfsplit.rules.base import Decision
 from tfsplit.sharding.collectives import collective_node
 from tfsplit.sharding.spec import Sharding
+
+
+_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter")
+
+
+def _safe(axis):
+  """Axis names in node names ('dp*mb' is not a valid node-name character)."""
+  return axis.replace("*", "_x_")
 
 
 def local_name(name, device_id):
@@ -106,6 +115,7 @@ class Materializer(object):
     self.out.versions.CopyFrom(graph.versions)
     self.out.library.CopyFrom(graph.library)
     self.names = set()
+    self.created = {}      # name -> the NodeDef in self.out
     self.deferred = []
     self.reshards = {}     # (tensor, target) -> [local tensor per device]
     self.collectives = []  # CollectiveRecord
@@ -115,8 +125,33 @@ class Materializer(object):
     self.instance_key = (zlib.crc32(graph.graph_def.SerializeToString(
         deterministic=True)) & 0x0FFFFFFF) << 2
     self.group_keys = {}
+    # Local axes (micro-batches): all members of a group on one device.
+    self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a)]
+    self.alias = {}        # (node, device id) -> the local name it shares
+    self.local_members = []  # per local reduction: {device id: member tensor}
+    self._record_members = True
 
   # --- bookkeeping -----------------------------------------------------------
+  def lname(self, name, device_id):
+    """Local name of node `name` on `device_id` (shared across micro-batches
+    when the node does not depend on which micro-batch it serves)."""
+    return self.alias.get((name, device_id)) or local_name(name, device_id)
+
+  def rep(self, device_id):
+    """The device id with every local-axis coordinate 0."""
+    if not self.local_axes:
+      return device_id
+    coords = self.mesh.coords(device_id)
+    for a in self.local_axes:
+      coords[a] = 0
+    return self.mesh.device_id(coords)
+
+  def _uses_local_axis(self, spec):
+    if spec is None:
+      return False
+    axes = {p for a in spec.axes_used for p in self.mesh.axis_parts(a)}
+    return bool(axes & set(self.local_axes))
+
   def unique(self, base):
     name, i = base, 0
     while name in self.names:
@@ -127,7 +162,10 @@ class Materializer(object):
 
   def add(self, node):
     self.names.add(node.name)
-    self.out.node.add().CopyFrom(node)
+    added = self.out.node.add()
+    added.CopyFrom(node)
+    self.created[node.name] = added
+    return added
 
   def _group_key(self, axis, device_id):
     """A key fixed by the group's device names: TF keys groups per process,
@@ -147,7 +185,7 @@ class Materializer(object):
     produced = self.prop.reduced_at_source.get((src, port))
     if produced is None:
       have = self.prop.outputs[src][port] if port < len(self.prop.outputs[src]) else None
-      return [_tensor(local_name(src, d), port) for d in range(self.mesh.size)], have
+      return [_tensor(self.lname(src, d), port) for d in range(self.mesh.size)], have
     whole = produced.without_partial()
     return self.reshard(src, port, produced, whole, consumer, raw=True), whole
 
@@ -162,18 +200,29 @@ class Materializer(object):
       return self.reshards[key]
     info = self.shapes[src][port]
     if raw:
-      current = [_tensor(local_name(src, d), port) for d in range(self.mesh.size)]
+      current = [_tensor(self.lname(src, d), port) for d in range(self.mesh.size)]
     else:
       current, have = self.source(src, port, consumer)
     spec = have
     if want.partial - have.partial:
       raise PlanError(f"node '{consumer}': cannot make a partial sum of a whole tensor")
     for axis in sorted(have.partial - want.partial):
-      current = self._all_reduce(current, info, axis, src, port, consumer)
+      # Local parts (micro-batches: a plain sum) before the real collective.
+      parts = sorted(self.mesh.axis_parts(axis), key=lambda a: a not in self.local_axes)
+      for part in parts:
+        if part in self.local_axes:
+          current = self._local_reduce(current, info, part, src, port)
+        else:
+          current = self._all_reduce(current, info, part, src, port, consumer)
       spec = Sharding(spec.dims, spec.partial - {axis})
     for dim, axis in spec.split_dims():
       if want.dims[dim] != axis:
-        current = self._all_gather(current, info, spec, dim, axis, src, port, consumer)
+        # Minor part first, so blocks end up in compound-coordinate order.
+        for part in reversed(self.mesh.axis_parts(axis)):
+          if part in self.local_axes:
+            current = self._local_concat(current, info, dim, part, src, port)
+          else:
+            current = self._all_gather(current, info, spec, dim, part, src, port, consumer)
         dims = list(spec.dims)
         dims[dim] = None
         spec = Sharding(tuple(dims), spec.partial)
@@ -182,17 +231,38 @@ class Materializer(object):
     self.reshards[key] = current
     return current
 
+  def _instance(self, keys, current, d):
+    """Instance key of this collective for device d: one per distinct set of
+    inputs (copies serving different micro-batches run separate instances)."""
+    members = tuple(current[m] for m in self.mesh.group_of(d, self._axis)[1])
+    if members not in keys:
+      self.instance_key += 1
+      keys[members] = self.instance_key
+    return keys[members]
+
+  def _shared(self, current, out, d):
+    """out[d] if device d's copy would repeat its micro-batch 0 copy."""
+    r = self.rep(d)
+    if r != d and current[d] == current[r]:
+      return out[r]
+    return None
+
   def _all_reduce(self, current, info, axis, src, port, consumer):
-    self.instance_key += 1
-    out = []
+    self._axis = axis
+    keys, out = {}, []
     for d in range(self.mesh.size):
+      shared = self._shared(current, out, d)
+      if shared is not None:
+        out.append(shared)
+        continue
       group_key, members = self._group_key(axis, d)
       device = self.mesh.devices[d]
-      base = f"{src}/port_{port}/all_reduce_{axis}/shard_{d}"
+      base = f"{src}/port_{port}/all_reduce_{_safe(axis)}/shard_{d}"
       inputs = [current[d],
                 self._int_const(base + "/group_size", len(members), device),
                 self._int_const(base + "/group_key", group_key, device),
-                self._int_const(base + "/instance_key", self.instance_key, device)]
+                self._int_const(base + "/instance_key", self._instance(keys, current, d),
+                                device)]
       node = collective_node("CollectiveReduceV2", self.unique(base), device, inputs,
                              info.dtype, self.timeout)
       self.add(node)
@@ -203,7 +273,8 @@ class Materializer(object):
 
   def _all_gather(self, current, info, spec, dim, axis, src, port, consumer):
     """Gathers dimension `dim` (CollectiveGatherV2 concatenates along dim 0)."""
-    self.instance_key += 1
+    self._axis = axis
+    keys = {}
     logging.info("all-gather of %s:%d dim %d over %s for '%s'", src, port, dim, axis,
                  consumer)
     rank = len(info.shape)
@@ -211,16 +282,21 @@ class Materializer(object):
     inverse = list(np.argsort(perm))
     out = []
     for d in range(self.mesh.size):
+      shared = self._shared(current, out, d)
+      if shared is not None:
+        out.append(shared)
+        continue
       group_key, members = self._group_key(axis, d)
       device = self.mesh.devices[d]
-      base = f"{src}/port_{port}/all_gather_{axis}_dim{dim}/shard_{d}"
+      base = f"{src}/port_{port}/all_gather_{_safe(axis)}_dim{dim}/shard_{d}"
       x = current[d]
       if dim != 0:
         x = self._transpose(x, perm, base + "/to_front", device, info.dtype)
       inputs = [x,
                 self._int_const(base + "/group_size", len(members), device),
                 self._int_const(base + "/group_key", group_key, device),
-                self._int_const(base + "/instance_key", self.instance_key, device)]
+                self._int_const(base + "/instance_key", self._instance(keys, current, d),
+                                device)]
       node = collective_node("CollectiveGatherV2", self.unique(base), device, inputs,
                              info.dtype, self.timeout)
       self.add(node)
@@ -230,6 +306,53 @@ class Materializer(object):
       out.append(y)
     self.collectives.append(CollectiveRecord("all_gather", axis, _tensor(src, port),
                                              consumer, info.num_elements or 0))
+    return out
+
+  def _local_reduce(self, current, info, axis, src, port):
+    """Partial sums over micro-batches: one AddN per group, on its device."""
+    if self.mesh.axes[axis] == 1:
+      return current
+    out = [None] * self.mesh.size
+    members_by_device = {}
+    for index, members in enumerate(self.mesh.groups(axis)):
+      inputs = [current[m] for m in members]
+      device = self.mesh.devices[members[0]]
+      if len(set(inputs)) == 1 and len(inputs) > 1:
+        raise PlanError(f"tensor '{src}:{port}' is partial over micro-batches but the "
+                        "same in each; this is a bug in a split rule")
+      node = node_def_pb2.NodeDef(
+          name=self.unique(f"{src}/port_{port}/sum_{_safe(axis)}/group_{index}"), op="AddN",
+          device=device, input=inputs)
+      node.attr["N"].i = len(inputs)
+      node.attr["T"].type = info.dtype
+      self.add(node)
+      for m in members:
+        out[m] = node.name
+        members_by_device[m] = current[m]
+    if self._record_members:
+      self.local_members.append(members_by_device)
+    self.collectives.append(CollectiveRecord("local_sum", axis, _tensor(src, port), "",
+                                             info.num_elements or 0))
+    return out
+
+  def _local_concat(self, current, info, dim, axis, src, port):
+    """Gathering over micro-batches: a ConcatV2 per group."""
+    if self.mesh.axes[axis] == 1:
+      return current
+    out = [None] * self.mesh.size
+    for index, members in enumerate(self.mesh.groups(axis)):
+      device = self.mesh.devices[members[0]]
+      axis_const = self._int_const(f"{src}/port_{port}/concat_{_safe(axis)}/group_{index}/axis",
+                                   dim, device)
+      node = node_def_pb2.NodeDef(
+          name=self.unique(f"{src}/port_{port}/concat_{_safe(axis)}/group_{index}"), op="ConcatV2",
+          device=device, input=[current[m] for m in members] + [axis_const])
+      node.attr["N"].i = len(members)
+      node.attr["T"].type = info.dtype
+      node.attr["Tidx"].type = types_pb2.DT_INT32
+      self.add(node)
+      for m in members:
+        out[m] = node.name
     return out
 
   def _transpose(self, x, perm, base, device, dtype):
@@ -245,14 +368,18 @@ class Materializer(object):
     """Local slice (no communication) from `have` to the finer `want`."""
     out = []
     for d in range(self.mesh.size):
+      shared = self._shared(current, out, d)
+      if shared is not None and not self._uses_local_axis(want):
+        out.append(shared)
+        continue
       device = self.mesh.devices[d]
-      base = f"{src}/port_{port}/slice_{'_'.join(a or 'r' for a in want.dims)}/shard_{d}"
+      base = f"{src}/port_{port}/slice_{'_'.join(_safe(a) if a else 'r' for a in want.dims)}/shard_{d}"
       have_local = have.local_shape(info.shape, self.mesh)
       want_local = want.local_shape(info.shape, self.mesh, f"tensor '{src}:{port}'")
       begin = [0] * len(info.shape)
       for i, axis in enumerate(want.dims):
         if axis is not None and have.dims[i] is None:
-          begin[i] = self.mesh.coord(d, axis) * want_local[i]
+          begin[i] = self.mesh.coord_of(d, axis) * want_local[i]
       node = node_def_pb2.NodeDef(
           name=self.unique(base), op="Slice", device=device,
           input=[current[d], self._int_const(base + "/begin", begin, device),
@@ -272,6 +399,9 @@ class Materializer(object):
     entry = {"dtype": info.dtype_name, "shape": list(info.shape),
              "sharding": [a for a in spec.dims], "shards": []}
     for d in range(self.mesh.size):
+      if self.rep(d) != d:  # micro-batches share their device's variables
+        self.alias[(node.name, d)] = self.lname(node.name, self.rep(d))
+        continue
       new = node_def_pb2.NodeDef()
       new.CopyFrom(node)
       new.name = local_name(node.name, d)
@@ -294,7 +424,10 @@ class Materializer(object):
     self.manifest[info.name] = entry
 
   def _op(self, node):
-    decision = self.prop.decisions[node.name]
+    decision = self.prop.decisions.get(node.name)
+    if decision is None:  # forwards a variable handle (an inlined call's argument)
+      n_data = sum(1 for t in node.input if not t.startswith("^"))
+      decision = Decision([None] * n_data, [None] * max(1, len(self.shapes[node.name])))
     data = [(i, parse_input(t)) for i, t in enumerate(node.input) if not t.startswith("^")]
     positions = [i for i, _ in data]
     in_infos = [self.shapes.get(f"{s}:{p}") for _, (s, p) in data]
@@ -306,7 +439,33 @@ class Materializer(object):
         resolved.append(local)
       else:
         resolved.append(self.reshard(src, port, have, want, node.name))
+    controls = [t[1:] for t in node.input if t.startswith("^")]
+    varies = any(self._uses_local_axis(o) for o in decision.outputs)
     for d in range(self.mesh.size):
+      r = self.rep(d)
+      same_controls = all(self.lname(c, d) == self.lname(c, r) for c in controls)
+      writes = node.op.startswith(_WRITE_PREFIXES)
+      if r != d and not varies and all(res[d] == res[r] for res in resolved) and (
+          same_controls or writes):
+        # Same data as micro-batch 0's copy: share it (an optimizer update must
+        # run once per step, not once per micro-batch). A shared update waits
+        # for what each micro-batch's copy would have waited for (every
+        # forward read of its variable); other ops with per-micro-batch control
+        # inputs get a copy each, so no micro-batch waits on another's.
+        shared = self.lname(node.name, r)
+        self.alias[(node.name, d)] = shared
+        extra = {"^" + self.lname(c, d) for c in controls} - {"^" + self.lname(c, r)
+                                                               for c in controls}
+        if extra and shared in self.created:
+          self.created[shared].input.extend(sorted(extra - set(self.created[shared].input)))
+        continue
+      if r != d and node.op.startswith(_WRITE_PREFIXES) and \
+          resolved and resolved[0][d] == resolved[0][r]:
+        raise PlanError(
+            f"node '{node.name}' (op {node.op}) would update the same variable once per "
+            "micro-batch (its inputs differ between micro-batches: " +
+            ", ".join(f"{res[d]} vs {res[r]}" for res in resolved if res[d] != res[r]) +
+            "); this is a bug in tfsplit's micro-batching, please report it")
       new = node_def_pb2.NodeDef()
       new.CopyFrom(node)
       new.name = local_name(node.name, d)
@@ -316,7 +475,7 @@ class Materializer(object):
         new.input[pos] = resolved[j][d]
       for pos, text in enumerate(node.input):
         if text.startswith("^"):
-          new.input[pos] = "^" + local_name(text[1:], d)
+          new.input[pos] = "^" + self.lname(text[1:], d)
       # Global shapes and colocation with original (now absent) node names
       # would be wrong here; devices are explicit instead.
       for attr in ("_output_shapes", "_class"):
@@ -334,19 +493,63 @@ class Materializer(object):
       self.deferred = []
 
   def _input(self, node):
-    """Graph inputs keep their name; each device reads them through an Identity."""
+    """Graph inputs keep their name; each device reads its block of them."""
     self.add(node)
     spec = self.prop.outputs[node.name][0]
     info = self.shapes[node.name][0]
+    self.input_slices = getattr(self, "input_slices", [])
     for d in range(self.mesh.size):
-      ident = node_def_pb2.NodeDef(name=local_name(node.name, d), op="Identity",
-                                   device=self.mesh.devices[d], input=[node.name])
-      ident.attr["T"].type = node.attr["dtype"].type
-      self.add(ident)
-    if spec is not None and not spec.is_replicated:
-      raise PlanError(f"input '{node.name}' must be replicated here (batch splitting "
-                      "is a separate pass)")
-    del info
+      device = self.mesh.devices[d]
+      if spec is None or spec.is_replicated:
+        if self.rep(d) != d:
+          self.alias[(node.name, d)] = self.lname(node.name, self.rep(d))
+          continue
+        ident = node_def_pb2.NodeDef(name=local_name(node.name, d), op="Identity",
+                                     device=device, input=[node.name])
+        ident.attr["T"].type = node.attr["dtype"].type
+        self.add(ident)
+        continue
+      local = spec.local_shape(info.shape, self.mesh, f"input '{node.name}'")
+      base = local_name(node.name, d)
+      begin = list(spec.offsets(info.shape, self.mesh, d))
+      sl = node_def_pb2.NodeDef(
+          name=base, op="Slice", device=device,
+          input=[node.name, self._int_const(base + "/begin", begin, device),
+                 self._int_const(base + "/size", list(local), device)])
+      sl.attr["T"].type = node.attr["dtype"].type
+      sl.attr["Index"].type = types_pb2.DT_INT32
+      self.add(sl)
+      self.input_slices.append((d, base))
+
+  def _order_microbatches(self):
+    """Micro-batch j+1 starts (its input slices) after micro-batch j's
+    contributions to every gradient sum: one micro-batch's activations are
+    freed before the next one's are made."""
+    if not self.local_axes or not self.local_members:
+      return
+    axis = self.local_axes[0]
+    by_name = {n.name: n for n in self.out.node}
+    added = []
+    for d, slice_name in getattr(self, "input_slices", []):
+      j = self.mesh.coord(d, axis)
+      if j == 0:
+        continue
+      coords = self.mesh.coords(d)
+      coords[axis] = j - 1
+      prev = self.mesh.device_id(coords)
+      deps = sorted({parse_input(m[prev])[0] for m in self.local_members if prev in m})
+      node = by_name[slice_name]
+      added.append((node, len(node.input)))
+      node.input.extend("^" + t for t in deps)
+    try:
+      Graph(self.out).topological_order()
+    except GraphValidationError as e:
+      # A gradient contribution that itself needs every micro-batch (a batch
+      # statistic): run micro-batches unordered rather than deadlock.
+      logging.warning("micro-batches left unordered (ordering would make a cycle: %s)",
+                      str(e)[:200])
+      for node, n in added:
+        del node.input[n:]
 
   def run(self):
     outputs = graph_outputs(self.graph)
@@ -359,8 +562,12 @@ class Materializer(object):
         self._input(node)
       else:
         self._op(node)
+    # Reductions of the outputs come after the update ops (a train step's loss
+    # waits for them): they must not order micro-batches.
+    self._record_members = False
     for name in outputs:
       self._output(name)
+    self._order_microbatches()
     return self.out
 
   def _output(self, name):
@@ -375,8 +582,8 @@ class Materializer(object):
     # fetched node depends on is pruned, and its peers would wait forever.
     out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[0],
                                input=[local[0]] + [
-                                   "^" + parse_input(local[d])[0]
-                                   for d in range(1, self.mesh.size)])
+                                   "^" + parse_input(t)[0]
+                                   for t in sorted(set(local[1:]) - {local[0]})])
     out.attr["T"].type = info.dtype
     if variables_lib.OUTPUT_INDEX_ATTR in node.attr:
       out.attr[variables_lib.OUTPUT_INDEX_ATTR].CopyFrom(

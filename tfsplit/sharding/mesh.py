@@ -58,6 +58,51 @@ class Mesh(object):
   def __repr__(self):
     return ",".join(f"{k}={v}" for k, v in self.axes.items())
 
+  # Compound axes: "dp*mb" splits one tensor dimension over two mesh axes,
+  # the first major (a batch split over data-parallel replicas and, within
+  # each, over micro-batches).
+  @staticmethod
+  def axis_parts(axis):
+    return axis.split("*")
+
+  def size_of(self, axis):
+    size = 1
+    for part in self.axis_parts(axis):
+      size *= self.axes[part]
+    return size
+
+  def coord_of(self, device_id, axis):
+    """Coordinate of `device_id` along a (possibly compound) axis."""
+    coord = 0
+    for part in self.axis_parts(axis):
+      coord = coord * self.axes[part] + self.coord(device_id, part)
+    return coord
+
+  def is_local(self, axis):
+    """True if every group along `axis` sits on one device (micro-batches)."""
+    return all(len({self.devices[m] for m in members}) == 1
+               for members in self.groups(axis))
+
+  def with_microbatches(self, m, name="mb"):
+    """This mesh plus a local axis of `m` micro-batches (after dp if any)."""
+    if m == 1:
+      return self
+    axes, order = {}, []
+    for a in self.axis_names:
+      axes[a] = self.axes[a]
+      order.append(a)
+      if a == "dp":
+        axes[name] = m
+    if name not in axes:
+      axes = {name: m, **axes}
+    result = Mesh(axes, [self.devices[0]] * (self.size * m))
+    devices = []
+    for d in range(result.size):
+      c = result.coords(d)
+      devices.append(self.devices[self.device_id({a: c[a] for a in self.axis_names})])
+    result.devices = devices
+    return result
+
   def coords(self, device_id):
     """{axis: coordinate} of logical device `device_id`."""
     return dict(zip(self.axis_names, self._coords[device_id]))

@@ -64,7 +64,7 @@ class Sharding:
     for i, axis in self.split_dims():
       if local[i] is None:
         continue
-      n = mesh.axes[axis]
+      n = mesh.size_of(axis)
       if local[i] % n:
         raise PlanError(f"{what}: dimension {i} of size {local[i]} does not "
                         f"divide by mesh axis {axis}={n}; choose a mesh size "
@@ -74,11 +74,10 @@ class Sharding:
 
   def offsets(self, shape, mesh, device_id):
     """Start index of `device_id`'s block in each dimension."""
-    coords = mesh.coords(device_id)
     out = []
     for i, axis in enumerate(self.dims):
       if axis is None:
         out.append(0)
       else:
-        out.append(coords[axis] * (shape[i] // mesh.axes[axis]))
+        out.append(mesh.coord_of(device_id, axis) * (shape[i] // mesh.size_of(axis)))
     return tuple(out)

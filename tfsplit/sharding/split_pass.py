@@ -18,7 +18,7 @@ from absl import logging
 
 from tfsplit.errors import PlanError
 from tfsplit.graph import Graph, find_variables, infer_shapes
-from tfsplit.graph.fold import fold_static_shapes
+from tfsplit.graph.fold import expand_identity_n, fold_static_shapes
 from tfsplit.graph.ir import parse_input, without_gc
 from tfsplit.graph.layers import detect_layers
 from tfsplit.sharding.materialize import Materializer
@@ -101,10 +101,36 @@ def _inferred_specs(graph, prop, variables, explicit):
 
 
 @without_gc
+def _batch_specs(graph, shapes, mesh, batch_axis):
+  """Input placeholders split along dimension 0 (the batch) over `batch_axis`."""
+  from tfsplit.runtime.graph_function import graph_inputs  # pylint: disable=import-outside-toplevel
+  specs = {}
+  n = mesh.size_of(batch_axis)
+  for name in graph_inputs(graph):
+    info = shapes[name][0]
+    if info.shape is None or not info.shape or info.shape[0] is None:
+      raise PlanError(
+          f"input '{name}' has shape {info.shape}: data parallelism / micro-batching "
+          "needs a static batch dimension first; trace the function with a fixed batch "
+          "size (tf.TensorSpec([BATCH, ...]))")
+    if info.shape[0] % n:
+      parts = " x ".join(f"{a}={mesh.axes[a]}" for a in mesh.axis_parts(batch_axis))
+      raise PlanError(
+          f"input '{name}': global batch {info.shape[0]} does not divide by {parts} "
+          f"(= {n}); use a batch that is a multiple of {n}, or fewer replicas / "
+          "micro-batches")
+    specs[name] = Sharding.split(len(info.shape), 0, batch_axis)
+  return specs
+
+
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
-                timeout_seconds=None, axis=None):
+                timeout_seconds=None, axis=None, microbatches=1):
   """Splits `graph_def` over `mesh` (see module doc).
 
+  mesh: its 'dp' axis (if any) splits the batch over replicas; 'tp' (or the
+    last axis) is the strategy's axis.
+  microbatches: m > 1 cuts each replica's batch into m micro-batches run one
+    after the other on the same device, gradients summed in the graph.
   strategy: 'megatron' (found from the graph), 'none' (annotations only).
   annotations: {variable-name glob: dims tuple}, e.g. {'*/fc1/kernel': (None, 'tp')};
     they override the strategy for the variables they match.
@@ -112,7 +138,7 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
   graph = Graph(graph_def)
   variables = find_variables(graph)
   shapes = infer_shapes(graph, variables)
-  folded = fold_static_shapes(graph_def, shapes)
+  folded = expand_identity_n(fold_static_shapes(graph_def, shapes))
   graph = Graph(folded)
   variables = find_variables(graph)
   shapes = infer_shapes(graph, variables)
@@ -121,13 +147,20 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
                       "load the graph from its tf.function so shapes are recorded")
 
-  axis = axis or ("tp" if "tp" in mesh.axes else mesh.axis_names[-1])
+  if microbatches < 1:
+    raise PlanError(f"microbatches must be >= 1, got {microbatches}")
+  mesh = mesh.with_microbatches(int(microbatches))
+  batch_parts = [a for a in ("dp", "mb") if a in mesh.axes]
+  batch_axis = "*".join(batch_parts) if batch_parts else None
+  input_specs = _batch_specs(graph, shapes, mesh, batch_axis) if batch_axis else {}
+  model_axes = [a for a in mesh.axis_names if a not in ("dp", "mb")]
+  axis = axis or ("tp" if "tp" in mesh.axes else (model_axes[-1] if model_axes else None))
   plan = {}
-  if strategy == "megatron":
+  if strategy == "megatron" and axis is not None:
     from tfsplit.strategies.megatron import megatron_plan  # pylint: disable=import-outside-toplevel
     roles = detect_layers(graph, shapes, variables).role
     plan.update(megatron_plan(graph, shapes, variables, axis=axis, mesh=mesh, roles=roles))
-  elif strategy not in ("none", None):
+  elif strategy not in ("none", "megatron", None):
     raise PlanError(f"unknown strategy '{strategy}'; use 'megatron' or 'none'")
   if annotations:
     plan.update(_annotation_plan(variables, annotations, mesh))
@@ -139,7 +172,7 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
     specs[var.node].local_shape(var.shape, mesh, f"variable '{var.name}'")
 
   for _ in range(_MAX_ROUNDS):
-    prop = propagate(graph, shapes, mesh, specs)
+    prop = propagate(graph, shapes, mesh, specs, input_specs)
     inferred = _inferred_specs(graph, prop, variables, explicit)
     changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
     if not changed:
