@@ -20,7 +20,7 @@ def test_rewrite_then_verify(tmp_path, capsys):
   code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "tp=2",
                           "--collective_timeout", "60"], capsys)
   assert code == 0, stdout
-  assert "8 all-reduce, 0 all-gather" in stdout
+  assert "8 all-reduce, 0 micro-batch sums, 0 all-gather" in stdout
   manifest = json.loads((tmp_path / "gpt_tp2.manifest.json").read_text())
   assert manifest["mesh"] == {"tp": 2}
   q = manifest["variables"]["gpt/block_0/attn/q/kernel"]
@@ -50,3 +50,12 @@ def test_rewrite_bad_mesh_writes_nothing(tmp_path, capsys):
   assert not out.exists() and not (tmp_path / "x.manifest.json").exists()
   code, _, err = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "tp"], capsys)
   assert code == 2 and "name=size" in err
+
+
+def test_rewrite_data_parallel_microbatched(tmp_path, capsys):
+  out = tmp_path / "gpt_dp2_m2.pb"
+  code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "dp=2",
+                          "--microbatches", "2", "--collective_timeout", "60"], capsys)
+  assert code == 0, stdout
+  code, stdout, _ = _cli(["verify", TRAIN, str(out), "--steps", "2"], capsys)
+  assert code == 0, stdout

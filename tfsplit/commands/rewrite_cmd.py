@@ -1,4 +1,4 @@
-"""`tfsplit rewrite IN -o OUT --mesh tp=4 [--strategy megatron]`.
+"""`tfsplit rewrite IN -o OUT --mesh dp=2,tp=2 [--microbatches 4] [--strategy megatron]`.
 
 Splits a graph over a device mesh and writes the rewritten GraphDef and, beside
 it, its shard manifest (OUT without extension + '.manifest.json'). Both are
@@ -19,6 +19,9 @@ def _define_flags():
   flags.DEFINE_string("output", None, "Where to write the rewritten graph (.pb/.pbtxt).",
                       short_name="o", flag_values=fv)
   flags.DEFINE_string("mesh", "tp=2", "Mesh axes, e.g. tp=4 or dp=2,tp=2.", flag_values=fv)
+  flags.DEFINE_integer("microbatches", 1, "Micro-batches per step (in-graph gradient "
+                       "accumulation); the batch must divide by dp x microbatches.",
+                       flag_values=fv)
   flags.DEFINE_enum("strategy", "megatron", ["megatron", "none"],
                     "How to choose what to split.", flag_values=fv)
   flags.DEFINE_multi_string("annotate", [], "VARIABLE_GLOB=DIMS, e.g. "
@@ -70,8 +73,9 @@ def main(argv):
   mesh = Mesh(axes, devices)
   annotations = dict(parse_annotation(a) for a in fv.annotate)
   result = split_graph(graph_def, mesh, strategy=fv.strategy, annotations=annotations,
-                       timeout_seconds=fv.collective_timeout)
+                       timeout_seconds=fv.collective_timeout, microbatches=fv.microbatches)
   manifest = {"mesh": dict(mesh.axes), "devices": mesh.devices,
+              "microbatches": fv.microbatches,
               "source": os.path.abspath(positional[0]), "variables": result.manifest}
   # Serialize both before writing either, so a failure leaves no output.
   manifest_text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
@@ -84,6 +88,7 @@ def main(argv):
       f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} of "
       f"{len(result.manifest)} variables split\n"
       f"  collectives: {result.count('all_reduce')} all-reduce, "
+      f"{result.count('local_sum')} micro-batch sums, "
       f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} fallback(s) to "
       "replication\n")
   for msg in result.fallbacks:

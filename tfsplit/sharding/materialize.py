@@ -122,8 +122,12 @@ class Materializer(object):
     self.manifest = {}
     # Instance keys start from a fingerprint of the input graph: unique across
     # the different split graphs one process may run, yet deterministic.
+    # The plan is part of the fingerprint: TF caches a collective's shape per
+    # (group, instance) key, and the same graph split two ways must not reuse keys.
+    plan = repr((sorted(mesh.axes.items()), mesh.devices,
+                 sorted((k, str(v)) for k, v in propagation.variable_specs.items())))
     self.instance_key = (zlib.crc32(graph.graph_def.SerializeToString(
-        deterministic=True)) & 0x0FFFFFFF) << 2
+        deterministic=True) + plan.encode()) & 0x0FFFFFFF) << 2
     self.group_keys = {}
     # Local axes (micro-batches): all members of a group on one device.
     self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a)]
@@ -525,9 +529,10 @@ class Materializer(object):
     """Micro-batch j+1 starts (its input slices) after micro-batch j's
     contributions to every gradient sum: one micro-batch's activations are
     freed before the next one's are made."""
-    if not self.local_axes or not self.local_members:
+    ordered = [a for a in self.local_axes if self.mesh.axes[a] > 1]
+    if not ordered or not self.local_members:
       return
-    axis = self.local_axes[0]
+    axis = ordered[0]
     by_name = {n.name: n for n in self.out.node}
     added = []
     for d, slice_name in getattr(self, "input_slices", []):
