@@ -1,0 +1,252 @@
+"""Benchmark: activation memory of in-graph micro-batching (gradient accumulation).
+
+In one process, splits the example's training step with `tfsplit.split(...,
+microbatches=m)` for each m (default 1, 2, 4, 8) and measures the allocator
+peak of one step: tf.config.experimental.reset_memory_stats, the memory in
+use just before the step (`current`: variables, inputs; the baseline), the
+step, then `peak`. Activation memory = peak - baseline; the median over
+--steps steps after a warm-up step is printed as a ratio to m = 1, beside 1/m
+(the target: one micro-batch's activations alive at a time). The original,
+unsplit tf.function training step is measured first as a sanity baseline.
+
+Memory statistics on CPU need TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow
+is imported (set below). TensorFlow runs with one inter-op thread: ops then
+run one at a time in a fixed order; with parallel inter-op threads ready ops
+run in a scheduling-dependent order (those of different micro-batches side by
+side where the graph leaves them unordered), and the peak wanders from step
+to step.
+
+The `waits` column checks the rewritten graph: how many micro-batch input
+slices wait (control inputs) for the previous micro-batch's gradient
+contributions, out of the slices that should (2 inputs x (m - 1)). --explain
+profiles one more step per m and prints the tensors alive at its peak.
+
+    python tools/bench_microbatch.py [--model gpt_raw] [--size small] [--batch 32]
+        [--microbatches 1,2,4,8] [--steps 7] [--explain]
+"""
+import gc
+import os
+import re
+import statistics
+import sys
+import tempfile
+
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
+flags.DEFINE_string("size", "small", "Example size.")
+flags.DEFINE_integer("batch", 32, "Batch size (divisible by every m).", lower_bound=1)
+flags.DEFINE_list("microbatches", ["1", "2", "4", "8"], "Micro-batch counts m.")
+flags.DEFINE_integer("steps", 7, "Measured steps per m (median).", lower_bound=1)
+flags.DEFINE_integer("warmup", 1, "Unmeasured steps first.", lower_bound=0)
+flags.DEFINE_string("mesh", "dp=1", "Mesh to split over (before the micro-batch axis).")
+flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads.", lower_bound=1)
+flags.DEFINE_boolean("explain", False,
+                     "Profile one step per m and print the tensors alive at its peak.")
+flags.DEFINE_integer("explain_top", 12, "Live tensors to print per m with --explain.")
+
+_MIB = 2.0**20
+_SHARD_RE = re.compile(r"/shard_(\d+)$")
+
+
+def _device():
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
+
+
+def _measure(fn, inputs, device, steps, warmup):
+  """Median peak, baseline and activation bytes of `steps` calls; first loss."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  first = None
+  for _ in range(warmup):
+    out = fn(*inputs)
+    first = float(out) if first is None else first
+  peaks, bases, acts = [], [], []
+  for _ in range(steps):
+    tf.config.experimental.reset_memory_stats(device)
+    base = tf.config.experimental.get_memory_info(device)["current"]
+    out = fn(*inputs)
+    loss = float(out)  # waits for the step
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    first = loss if first is None else first
+    peaks.append(peak)
+    bases.append(base)
+    acts.append(peak - base)
+  return (statistics.median(peaks), statistics.median(bases), statistics.median(acts),
+          min(acts), max(acts), first)
+
+
+def _waits(graph_def):
+  """(input slices waiting on control inputs, input slices) of a split graph."""
+  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.graph_function import graph_inputs  # pylint: disable=import-outside-toplevel
+  inputs = set(graph_inputs(Graph(graph_def)))
+  slices = [n for n in graph_def.node if n.op == "Slice" and n.input and
+            n.input[0] in inputs]
+  waiting = [n for n in slices if any(t.startswith("^") for t in n.input)]
+  return len(waiting), len(slices)
+
+
+def _memory_events(fn, inputs):
+  """Allocator events of one profiled call: [(time ps, kind, {stat: value})]."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as logdir:
+    options = tf.profiler.experimental.ProfilerOptions(
+        host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
+    tf.profiler.experimental.start(logdir, options=options)
+    try:
+      float(fn(*inputs))
+    finally:
+      tf.profiler.experimental.stop()
+    paths = [os.path.join(d, f) for d, _, files in os.walk(logdir) for f in files
+             if f.endswith(".xplane.pb")]
+    space = xplane_pb2.XSpace()
+    with open(paths[0], "rb") as f:
+      space.ParseFromString(f.read())
+  events = []
+  for plane in space.planes:
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+    for line in plane.lines:
+      for e in line.events:
+        kind = names.get(e.metadata_id)
+        if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+          continue
+        stats = {}
+        for s in e.stats:
+          which = s.WhichOneof("value")
+          value = getattr(s, which) if which else None
+          if which == "ref_value":
+            value = stat_names.get(value)
+          stats[stat_names.get(s.metadata_id)] = value
+        events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
+  events.sort(key=lambda x: x[0])
+  return events
+
+
+def _explain(fn, inputs, top):
+  """Prints the allocations alive at the peak of one profiled step."""
+  events = _memory_events(fn, inputs)
+  if not events:
+    print("  (no allocator events in the profile)")
+    return
+  allocators = [ev[2].get("allocator_name") for ev in events]
+  allocator = max(set(allocators), key=allocators.count)
+  events = [ev for ev in events if ev[2].get("allocator_name") == allocator]
+  allocs = [i for i, ev in enumerate(events) if ev[1] == "MemoryAllocation"]
+  peak_at = max(allocs, key=lambda i: events[i][2].get("bytes_allocated", 0))
+  live, first_seen, last_seen = {}, {}, {}
+  t0 = events[0][0]
+  for i, (t, kind, st) in enumerate(events):
+    op = st.get("tf_op") or "?"
+    if kind == "MemoryAllocation":
+      m = _SHARD_RE.search(op)
+      if m:
+        k = int(m.group(1))
+        first_seen.setdefault(k, t)
+        last_seen[k] = t
+      if i <= peak_at:
+        live[st.get("addr")] = (st.get("allocation_bytes", 0), op, st.get("shape", ""),
+                                st.get("region_type", ""))
+    elif i <= peak_at:
+      live.pop(st.get("addr"), None)
+  peak_stats = events[peak_at][2]
+  in_use = peak_stats.get("bytes_allocated", 0)
+  traced = sum(b for b, _, _, _ in live.values())
+  print(f"  peak {in_use / _MIB:.2f} MiB in use while running "
+        f"{peak_stats.get('tf_op')}; {traced / _MIB:.2f} MiB of it allocated in the "
+        f"step ({len(live)} buffers), the rest before it (variables, inputs)")
+  by_shard = {}
+  for b, op, _, _ in live.values():
+    m = _SHARD_RE.search(op)
+    key = f"shard_{m.group(1)}" if m else "unsharded"
+    by_shard[key] = by_shard.get(key, 0) + b
+  print("  alive at peak by micro-batch copy: " + ", ".join(
+      f"{k} {v / _MIB:.2f} MiB" for k, v in sorted(by_shard.items())))
+  if first_seen:
+    order = sorted(first_seen, key=first_seen.get)
+    print("  micro-batch copies by first allocation (ms from step start, first-last): " +
+          ", ".join(f"shard_{k} {(first_seen[k] - t0) / 1e9:.1f}-"
+                    f"{(last_seen[k] - t0) / 1e9:.1f}" for k in order))
+  if top > 0:
+    print("  largest buffers alive at peak:")
+  for b, op, shape, region in sorted(live.values(), key=lambda x: -x[0])[:top]:
+    print(f"    {b / _MIB:8.3f} MiB  {op}  {shape} ({region})")
+
+
+def main(argv):
+  del argv
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  # Before any op runs (the thread pools are created with the context).
+  tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  from tfsplit import models  # pylint: disable=import-outside-toplevel
+
+  ms = [int(m) for m in FLAGS.microbatches]
+  device = _device()
+  ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  names = list(zip(ex.all_variables(), ex.variable_names()))
+  inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
+  var_bytes = sum(v.numpy().nbytes for v in ex.all_variables())
+  print(f"{FLAGS.model}/{FLAGS.size} batch {FLAGS.batch} on {device}: "
+        f"{len(names)} variables ({var_bytes / _MIB:.2f} MiB with optimizer slots); "
+        f"mesh {FLAGS.mesh}; {FLAGS.inter_op_threads} inter-op thread(s); median of "
+        f"{FLAGS.steps} steps after {FLAGS.warmup} warm-up")
+  print()
+
+  rows = []
+  fn = ex.train_step
+  rows.append(("unsplit", 1, _measure(fn, inputs, device, FLAGS.steps, FLAGS.warmup),
+               "", len(ex.concrete("train").graph.as_graph_def().node)))
+  if FLAGS.explain:
+    print("[unsplit] tf.function train step")
+    _explain(fn, inputs, FLAGS.explain_top)
+  for m in ms:
+    step = tfsplit.split(ex.train_step, mesh=FLAGS.mesh, microbatches=m,
+                         input_signature=ex.train_signature, variable_names=names)
+    waiting, slices = _waits(step.graph_def)
+    waits = f"{waiting}/{slices - slices // m}" if m > 1 else "-"
+    rows.append((f"m={m}", m, _measure(step, inputs, device, FLAGS.steps, FLAGS.warmup),
+                 waits, len(step.graph_def.node)))
+    if FLAGS.explain:
+      print(f"[m={m}] split step")
+      _explain(step, inputs, FLAGS.explain_top)
+    # Each split creates its own shard variables: free them before the next.
+    del step
+    gc.collect()
+  if FLAGS.explain:
+    print()
+
+  ref = next((r[2][2] for r in rows if r[0] == "m=1"), rows[0][2][2])
+  header = (f"{'step':>8} {'nodes':>6} {'waits':>6} {'peak MiB':>9} {'base MiB':>9} "
+            f"{'act MiB':>8} {'min-max':>13} {'ratio':>6} {'1/m':>6} {'loss':>8}")
+  print(header)
+  print("-" * len(header))
+  for label, m, (peak, base, act, lo, hi, loss), waits, nodes in rows:
+    print(f"{label:>8} {nodes:>6} {waits:>6} {peak / _MIB:>9.2f} {base / _MIB:>9.2f} "
+          f"{act / _MIB:>8.2f} {lo / _MIB:>6.2f}-{hi / _MIB:<6.2f} {act / ref:>6.3f} "
+          f"{1.0 / m:>6.3f} {loss:>8.4f}")
+  print()
+  print("act = peak - base (bytes in use just before the step: variables of the "
+        "model, optimizer and live split step, and inputs); ratio = act / act(m=1); "
+        "waits = micro-batch input slices ordered after the previous micro-batch, "
+        "out of those that should be; loss = first loss of the step (the split steps "
+        "start from the same values)")
+  for label, m, (_, _, act, _, _, _), _, _ in rows:
+    if label.startswith("m="):
+      print(f"[{FLAGS.model} {FLAGS.size} b={FLAGS.batch} {label}] activation memory / "
+            f"m=1: {act / ref:.3f} (target 1/m = {1.0 / m:.3f})")
+
+
+if __name__ == "__main__":
+  app.run(main)
