@@ -130,7 +130,7 @@ class Materializer(object):
         deterministic=True) + plan.encode()) & 0x0FFFFFFF) << 2
     self.group_keys = {}
     # Local axes (micro-batches): all members of a group on one device.
-    self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a)]
+    self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a) and mesh.axes[a] > 1]
     self.alias = {}        # (node, device id) -> the local name it shares
     self.local_members = []  # per local reduction: {device id: member tensor}
     self._record_members = True
@@ -214,6 +214,8 @@ class Materializer(object):
       # Local parts (micro-batches: a plain sum) before the real collective.
       parts = sorted(self.mesh.axis_parts(axis), key=lambda a: a not in self.local_axes)
       for part in parts:
+        if self.mesh.axes[part] == 1:
+          continue  # a sum over one member is the member
         if part in self.local_axes:
           current = self._local_reduce(current, info, part, src, port)
         else:
@@ -223,6 +225,8 @@ class Materializer(object):
       if want.dims[dim] != axis:
         # Minor part first, so blocks end up in compound-coordinate order.
         for part in reversed(self.mesh.axis_parts(axis)):
+          if self.mesh.axes[part] == 1:
+            continue
           if part in self.local_axes:
             current = self._local_concat(current, info, dim, part, src, port)
           else:
@@ -313,28 +317,35 @@ class Materializer(object):
     return out
 
   def _local_reduce(self, current, info, axis, src, port):
-    """Partial sums over micro-batches: one AddN per group, on its device."""
-    if self.mesh.axes[axis] == 1:
-      return current
+    """Partial sums over micro-batches: a running sum in micro-batch order.
+
+    One AddN at the end would keep every micro-batch's gradient alive until
+    the last one is done; a chain adds each as soon as it exists, so only
+    one accumulator lives (the next micro-batch waits for it, which also
+    stops Grappler from merging the chain back into an AddN).
+    """
     out = [None] * self.mesh.size
-    members_by_device = {}
+    accumulated = {}
     for index, members in enumerate(self.mesh.groups(axis)):
       inputs = [current[m] for m in members]
       device = self.mesh.devices[members[0]]
-      if len(set(inputs)) == 1 and len(inputs) > 1:
+      if len(set(inputs)) == 1:
         raise PlanError(f"tensor '{src}:{port}' is partial over micro-batches but the "
                         "same in each; this is a bug in a split rule")
-      node = node_def_pb2.NodeDef(
-          name=self.unique(f"{src}/port_{port}/sum_{_safe(axis)}/group_{index}"), op="AddN",
-          device=device, input=inputs)
-      node.attr["N"].i = len(inputs)
-      node.attr["T"].type = info.dtype
-      self.add(node)
+      acc = inputs[0]
+      accumulated[members[0]] = acc
+      for j in range(1, len(members)):
+        node = node_def_pb2.NodeDef(
+            name=self.unique(f"{src}/port_{port}/sum_{_safe(axis)}/group_{index}/acc_{j}"),
+            op="AddV2", device=device, input=[acc, inputs[j]])
+        node.attr["T"].type = info.dtype
+        self.add(node)
+        acc = node.name
+        accumulated[members[j]] = acc
       for m in members:
-        out[m] = node.name
-        members_by_device[m] = current[m]
+        out[m] = acc
     if self._record_members:
-      self.local_members.append(members_by_device)
+      self.local_members.append(accumulated)
     self.collectives.append(CollectiveRecord("local_sum", axis, _tensor(src, port), "",
                                              info.num_elements or 0))
     return out
@@ -527,8 +538,8 @@ class Materializer(object):
 
   def _order_microbatches(self):
     """Micro-batch j+1 starts (its input slices) after micro-batch j's
-    contributions to every gradient sum: one micro-batch's activations are
-    freed before the next one's are made."""
+    contributions have been added to every running gradient sum: one
+    micro-batch's activations are freed before the next one's are made."""
     ordered = [a for a in self.local_axes if self.mesh.axes[a] > 1]
     if not ordered or not self.local_members:
       return
