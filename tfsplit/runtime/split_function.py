@@ -66,7 +66,7 @@ class SplitFunction(object):
 
   def __init__(self, fn, mesh, strategy="megatron", input_signature=None,
                annotations=None, variable_names=None, timeout_seconds=None,
-               microbatches=1):
+               microbatches=1, schedule="1f1b", layer_ranges=None):
     self.mesh = make_mesh(mesh)
     concrete = (fn.get_concrete_function(*input_signature) if input_signature
                 else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
@@ -75,7 +75,8 @@ class SplitFunction(object):
     self.original_variables = _captured_variables(concrete, self.original_graph_def)
     self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
                               annotations=annotations, timeout_seconds=timeout_seconds,
-                              microbatches=microbatches)
+                              microbatches=microbatches, schedule=schedule,
+                              layer_ranges=layer_ranges)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -99,11 +100,14 @@ class SplitFunction(object):
 
 
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
-          variable_names=None, timeout_seconds=None, microbatches=1):
+          variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
+          layer_ranges=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
   microbatches: in-graph gradient accumulation over m micro-batches.
+  schedule / layer_ranges: with a 'pp' mesh axis, the pipeline schedule
+    ('1f1b' or 'gpipe') and optional explicit stage layer ranges.
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
-                       timeout_seconds, microbatches)
+                       timeout_seconds, microbatches, schedule, layer_ranges)

@@ -106,8 +106,15 @@ def _const(name, value, device):
 class Materializer(object):
   """Builds the per-device GraphDef from a Propagation."""
 
-  def __init__(self, graph, shapes, mesh, propagation, variables, timeout_seconds=None):
+  def __init__(self, graph, shapes, mesh, propagation, variables, timeout_seconds=None,
+               stage_of=None):
     self.graph, self.shapes, self.mesh = graph, shapes, mesh
+    # Pipeline stages: node -> stage; each node lives only on the devices whose
+    # 'pp' coordinate is its stage (TF sends tensors between stages).
+    self.pp = "pp" if stage_of is not None and "pp" in mesh.axes else None
+    self.stage_of = stage_of or {}
+    self.meta = {}         # local node name -> (original node, device id)
+    self._ids = list(range(mesh.size))
     self.prop = propagation
     self.variables = {v.node: v for v in variables}
     self.timeout = timeout_seconds
@@ -132,14 +139,36 @@ class Materializer(object):
     # Local axes (micro-batches): all members of a group on one device.
     self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a) and mesh.axes[a] > 1]
     self.alias = {}        # (node, device id) -> the local name it shares
+    self.shared_nodes = set()  # local nodes serving every micro-batch
     self.local_members = []  # per local reduction: {device id: member tensor}
     self._record_members = True
 
   # --- bookkeeping -----------------------------------------------------------
   def lname(self, name, device_id):
-    """Local name of node `name` on `device_id` (shared across micro-batches
-    when the node does not depend on which micro-batch it serves)."""
+    """Local name of node `name` as seen from `device_id`: its copy on the
+    same coordinates of its own stage, shared across micro-batches when it
+    does not depend on which micro-batch it serves."""
+    device_id = self.on_stage(device_id, self.node_stage(name))
     return self.alias.get((name, device_id)) or local_name(name, device_id)
+
+  def node_stage(self, name):
+    return self.stage_of.get(name, 0) if self.pp else None
+
+  def on_stage(self, device_id, stage):
+    if self.pp is None or stage is None:
+      return device_id
+    coords = self.mesh.coords(device_id)
+    if coords[self.pp] == stage:
+      return device_id
+    coords[self.pp] = stage
+    return self.mesh.device_id(coords)
+
+  def ids_for(self, name):
+    """Device ids holding a copy of node `name` (its stage's, or all)."""
+    if self.pp is None:
+      return list(range(self.mesh.size))
+    stage = self.node_stage(name)
+    return [d for d in range(self.mesh.size) if self.mesh.coord(d, self.pp) == stage]
 
   def rep(self, device_id):
     """The device id with every local-axis coordinate 0."""
@@ -164,8 +193,10 @@ class Materializer(object):
     self.names.add(name)
     return name
 
-  def add(self, node):
+  def add(self, node, original=None, device_id=None):
     self.names.add(node.name)
+    if original is not None:
+      self.meta[node.name] = (original, device_id)
     added = self.out.node.add()
     added.CopyFrom(node)
     self.created[node.name] = added
@@ -203,6 +234,7 @@ class Materializer(object):
     if key in self.reshards:
       return self.reshards[key]
     info = self.shapes[src][port]
+    saved_ids, self._ids = self._ids, self.ids_for(src)
     if raw:
       current = [_tensor(self.lname(src, d), port) for d in range(self.mesh.size)]
     else:
@@ -236,6 +268,9 @@ class Materializer(object):
         spec = Sharding(tuple(dims), spec.partial)
     if any(w is not None and w != s for w, s in zip(want.dims, spec.dims)):
       current = self._slice(current, info, spec, want, src, port)
+    stage = self.node_stage(src)
+    current = [current[self.on_stage(d, stage)] for d in range(self.mesh.size)]
+    self._ids = saved_ids
     self.reshards[key] = current
     return current
 
@@ -257,11 +292,11 @@ class Materializer(object):
 
   def _all_reduce(self, current, info, axis, src, port, consumer):
     self._axis = axis
-    keys, out = {}, []
-    for d in range(self.mesh.size):
+    keys, out = {}, [None] * self.mesh.size
+    for d in self._ids:
       shared = self._shared(current, out, d)
       if shared is not None:
-        out.append(shared)
+        out[d] = shared
         continue
       group_key, members = self._group_key(axis, d)
       device = self.mesh.devices[d]
@@ -273,8 +308,8 @@ class Materializer(object):
                                 device)]
       node = collective_node("CollectiveReduceV2", self.unique(base), device, inputs,
                              info.dtype, self.timeout)
-      self.add(node)
-      out.append(node.name)
+      self.add(node, src, d)
+      out[d] = node.name
     self.collectives.append(CollectiveRecord("all_reduce", axis, _tensor(src, port),
                                              consumer, info.num_elements or 0))
     return out
@@ -288,11 +323,11 @@ class Materializer(object):
     rank = len(info.shape)
     perm = [dim] + [i for i in range(rank) if i != dim]
     inverse = list(np.argsort(perm))
-    out = []
-    for d in range(self.mesh.size):
+    out = [None] * self.mesh.size
+    for d in self._ids:
       shared = self._shared(current, out, d)
       if shared is not None:
-        out.append(shared)
+        out[d] = shared
         continue
       group_key, members = self._group_key(axis, d)
       device = self.mesh.devices[d]
@@ -311,7 +346,7 @@ class Materializer(object):
       y = node.name
       if dim != 0:
         y = self._transpose(y, inverse, base + "/from_front", device, info.dtype)
-      out.append(y)
+      out[d] = y
     self.collectives.append(CollectiveRecord("all_gather", axis, _tensor(src, port),
                                              consumer, info.num_elements or 0))
     return out
@@ -327,6 +362,8 @@ class Materializer(object):
     out = [None] * self.mesh.size
     accumulated = {}
     for index, members in enumerate(self.mesh.groups(axis)):
+      if members[0] not in self._ids:
+        continue
       inputs = [current[m] for m in members]
       device = self.mesh.devices[members[0]]
       if len(set(inputs)) == 1:
@@ -339,7 +376,7 @@ class Materializer(object):
             name=self.unique(f"{src}/port_{port}/sum_{_safe(axis)}/group_{index}/acc_{j}"),
             op="AddV2", device=device, input=[acc, inputs[j]])
         node.attr["T"].type = info.dtype
-        self.add(node)
+        self.add(node, src, members[j])
         acc = node.name
         accumulated[members[j]] = acc
       for m in members:
@@ -356,6 +393,8 @@ class Materializer(object):
       return current
     out = [None] * self.mesh.size
     for index, members in enumerate(self.mesh.groups(axis)):
+      if members[0] not in self._ids:
+        continue
       device = self.mesh.devices[members[0]]
       axis_const = self._int_const(f"{src}/port_{port}/concat_{_safe(axis)}/group_{index}/axis",
                                    dim, device)
@@ -381,11 +420,11 @@ class Materializer(object):
 
   def _slice(self, current, info, have, want, src, port):
     """Local slice (no communication) from `have` to the finer `want`."""
-    out = []
-    for d in range(self.mesh.size):
+    out = [None] * self.mesh.size
+    for d in self._ids:
       shared = self._shared(current, out, d)
       if shared is not None and not self._uses_local_axis(want):
-        out.append(shared)
+        out[d] = shared
         continue
       device = self.mesh.devices[d]
       base = f"{src}/port_{port}/slice_{'_'.join(_safe(a) if a else 'r' for a in want.dims)}/shard_{d}"
@@ -402,8 +441,8 @@ class Materializer(object):
       node.attr["T"].type = info.dtype
       node.attr["Index"].type = types_pb2.DT_INT32
       del have_local
-      self.add(node)
-      out.append(node.name)
+      self.add(node, src, d)
+      out[d] = node.name
     return out
 
   # --- nodes ---------------------------------------------------------------------
@@ -413,10 +452,11 @@ class Materializer(object):
     local_shape = spec.local_shape(info.shape, self.mesh, f"variable '{info.name}'")
     entry = {"dtype": info.dtype_name, "shape": list(info.shape),
              "sharding": [a for a in spec.dims], "shards": []}
-    for d in range(self.mesh.size):
+    for d in self.ids_for(node.name):
       if self.rep(d) != d:  # micro-batches share their device's variables
         self.alias[(node.name, d)] = self.lname(node.name, self.rep(d))
         continue
+      self.shared_nodes.add(local_name(node.name, d))
       new = node_def_pb2.NodeDef()
       new.CopyFrom(node)
       new.name = local_name(node.name, d)
@@ -431,7 +471,7 @@ class Materializer(object):
         new.attr[variables_lib.VAR_NAME_ATTR].s = shard_name.encode()
         new.attr[variables_lib.VAR_SHAPE_ATTR].CopyFrom(
             variables_lib.make_shape_attr(local_shape))
-      self.add(new)
+      self.add(new, node.name, d)
       entry["shards"].append({
           "name": shard_name, "device": self.mesh.devices[d], "device_id": d,
           "offsets": list(spec.offsets(info.shape, self.mesh, d)),
@@ -456,7 +496,7 @@ class Materializer(object):
         resolved.append(self.reshard(src, port, have, want, node.name))
     controls = [t[1:] for t in node.input if t.startswith("^")]
     varies = any(self._uses_local_axis(o) for o in decision.outputs)
-    for d in range(self.mesh.size):
+    for d in self.ids_for(node.name):
       r = self.rep(d)
       same_controls = all(self.lname(c, d) == self.lname(c, r) for c in controls)
       writes = node.op.startswith(_WRITE_PREFIXES)
@@ -469,6 +509,7 @@ class Materializer(object):
         # inputs get a copy each, so no micro-batch waits on another's.
         shared = self.lname(node.name, r)
         self.alias[(node.name, d)] = shared
+        self.shared_nodes.add(shared)
         extra = {"^" + self.lname(c, d) for c in controls} - {"^" + self.lname(c, r)
                                                                for c in controls}
         if extra and shared in self.created:
@@ -502,9 +543,9 @@ class Materializer(object):
       if decision.localize is not None:
         decision.localize(_LocalizeContext(self, new, node, decision, d, positions,
                                            in_infos))
-      self.add(new)
+      self.add(new, node.name, d)
       for extra in self.deferred:
-        self.add(extra)
+        self.add(extra, node.name, d)
       self.deferred = []
 
   def _input(self, node):
@@ -513,16 +554,17 @@ class Materializer(object):
     spec = self.prop.outputs[node.name][0]
     info = self.shapes[node.name][0]
     self.input_slices = getattr(self, "input_slices", [])
-    for d in range(self.mesh.size):
+    for d in self.ids_for(node.name):
       device = self.mesh.devices[d]
       if spec is None or spec.is_replicated:
         if self.rep(d) != d:
           self.alias[(node.name, d)] = self.lname(node.name, self.rep(d))
           continue
+        self.shared_nodes.add(local_name(node.name, d))
         ident = node_def_pb2.NodeDef(name=local_name(node.name, d), op="Identity",
                                      device=device, input=[node.name])
         ident.attr["T"].type = node.attr["dtype"].type
-        self.add(ident)
+        self.add(ident, node.name, d)
         continue
       local = spec.local_shape(info.shape, self.mesh, f"input '{node.name}'")
       base = local_name(node.name, d)
@@ -533,7 +575,7 @@ class Materializer(object):
                  self._int_const(base + "/size", list(local), device)])
       sl.attr["T"].type = node.attr["dtype"].type
       sl.attr["Index"].type = types_pb2.DT_INT32
-      self.add(sl)
+      self.add(sl, node.name, d)
       self.input_slices.append((d, base))
 
   def _order_microbatches(self):
@@ -583,7 +625,8 @@ class Materializer(object):
     self._record_members = False
     for name in outputs:
       self._output(name)
-    self._order_microbatches()
+    if self.pp is None:  # a pipeline schedule orders micro-batches instead
+      self._order_microbatches()
     return self.out
 
   def _output(self, name):

@@ -16,7 +16,7 @@ from typing import Dict, List
 
 from absl import logging
 
-from tfsplit.errors import PlanError
+from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph, find_variables, infer_shapes
 from tfsplit.graph.fold import expand_identity_n, fold_static_shapes
 from tfsplit.graph.ir import parse_input, without_gc
@@ -100,7 +100,6 @@ def _inferred_specs(graph, prop, variables, explicit):
   return found
 
 
-@without_gc
 def _batch_specs(graph, shapes, mesh, batch_axis):
   """Input placeholders split along dimension 0 (the batch) over `batch_axis`."""
   from tfsplit.runtime.graph_function import graph_inputs  # pylint: disable=import-outside-toplevel
@@ -123,8 +122,23 @@ def _batch_specs(graph, shapes, mesh, batch_axis):
   return specs
 
 
+def _after_updates(graph, report):
+  """Nodes that (through control edges) wait for an update op."""
+  waiting = set()
+  for name in graph.topological_order():
+    node = graph.node(name)
+    for text in node.input:
+      src = parse_input(text)[0]
+      if (text.startswith("^") and report.role.get(src) == "update") or src in waiting:
+        waiting.add(name)
+        break
+  return waiting
+
+
+@without_gc
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
-                timeout_seconds=None, axis=None, microbatches=1):
+                timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
+                layer_ranges=None):
   """Splits `graph_def` over `mesh` (see module doc).
 
   mesh: its 'dp' axis (if any) splits the batch over replicas; 'tp' (or the
@@ -132,6 +146,9 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
   microbatches: m > 1 cuts each replica's batch into m micro-batches run one
     after the other on the same device, gradients summed in the graph.
   strategy: 'megatron' (found from the graph), 'none' (annotations only).
+  A 'pp' mesh axis cuts the layers into that many pipeline stages (balanced by
+  FLOPs, or `layer_ranges` [(start, end), ...]) run under `schedule`
+  ('1f1b' or 'gpipe') over the micro-batches.
   annotations: {variable-name glob: dims tuple}, e.g. {'*/fc1/kernel': (None, 'tp')};
     they override the strategy for the variables they match.
   """
@@ -153,7 +170,7 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
   batch_parts = [a for a in ("dp", "mb") if a in mesh.axes]
   batch_axis = "*".join(batch_parts) if batch_parts else None
   input_specs = _batch_specs(graph, shapes, mesh, batch_axis) if batch_axis else {}
-  model_axes = [a for a in mesh.axis_names if a not in ("dp", "mb")]
+  model_axes = [a for a in mesh.axis_names if a not in ("dp", "mb", "pp")]
   axis = axis or ("tp" if "tp" in mesh.axes else (model_axes[-1] if model_axes else None))
   plan = {}
   if strategy == "megatron" and axis is not None:
@@ -183,12 +200,32 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
   else:
     raise PlanError("variable shardings did not settle; annotate the variables")
 
-  mat = Materializer(graph, shapes, mesh, prop, variables, timeout_seconds)
+  stage_of, report, partition = None, None, None
+  if "pp" in mesh.axes:
+    from tfsplit.pipeline import partition as partition_lib  # pylint: disable=import-outside-toplevel
+    from tfsplit.pipeline import schedules as schedules_lib  # pylint: disable=import-outside-toplevel
+    sched = schedules_lib.get_schedule(schedule)
+    report = detect_layers(graph, shapes, variables)
+    partition = partition_lib.partition_layers(report, mesh.axes["pp"], layer_ranges)
+    stage_of = partition_lib.assign_stages(graph, report, partition)
+  mat = Materializer(graph, shapes, mesh, prop, variables, timeout_seconds, stage_of)
   out = mat.run()
+  if stage_of is not None:
+    sets = schedules_lib.micro_batch_sets(out, mat.meta, mat.shared_nodes, report.role,
+                                          stage_of, mesh, _after_updates(graph, report))
+    schedules_lib.apply_schedule(out, sched, sets, mesh, mesh.axes["pp"], microbatches)
+    try:
+      Graph(out).topological_order()
+    except GraphValidationError as e:
+      raise PlanError(f"the {schedule} schedule would make the graph cyclic ({e}); "
+                      "try another schedule or partition") from None
   by_node = {v.node: v.name for v in variables}
   var_specs = {by_node[h]: s.dims for h, s in specs.items() if not s.is_replicated}
   logging.info("split over %s: %d variables split, %d all-reduces, %d all-gathers, "
                "%d fallbacks", mesh, len(var_specs), sum(c.kind == "all_reduce" for c in
                                                          mat.collectives),
                sum(c.kind == "all_gather" for c in mat.collectives), len(prop.fallbacks))
-  return SplitResult(out, mat.manifest, mat.collectives, prop.fallbacks, var_specs)
+  result = SplitResult(out, mat.manifest, mat.collectives, prop.fallbacks, var_specs)
+  result.partition = partition
+  result.stage_of = stage_of
+  return result

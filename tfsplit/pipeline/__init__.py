@@ -1,0 +1,1 @@
+"""Pipeline parallelism: stage partition and schedules expressed as control edges."""

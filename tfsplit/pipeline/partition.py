@@ -1,0 +1,100 @@
+"""Stage partition: contiguous layers into S pipeline stages, and every node's stage.
+
+Layers come from layer detection (tfsplit.graph.layers): each layer's forward
+ops, its gradient ops and the updates of its variables go to its stage. The
+default partition balances forward + backward FLOPs per stage (a linear
+partition solved exactly by dynamic programming); explicit layer ranges
+override it. Nodes outside the layers follow their data: an op reading a
+variable sits with the variable, other ops with their latest input's stage
+(so the loss joins the last stage), sources with their earliest consumer.
+"""
+from tfsplit.errors import PlanError
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.ir import parse_input
+
+
+def balanced_partition(costs, stages):
+  """[(start, end)] contiguous ranges over `costs` minimising the largest sum."""
+  n = len(costs)
+  prefix = [0]
+  for c in costs:
+    prefix.append(prefix[-1] + c)
+  inf = float("inf")
+  # best[k][i]: smallest max-stage cost splitting the first i layers into k stages.
+  best = [[inf] * (n + 1) for _ in range(stages + 1)]
+  cut = [[0] * (n + 1) for _ in range(stages + 1)]
+  best[0][0] = 0
+  for k in range(1, stages + 1):
+    for i in range(k, n + 1):
+      for j in range(k - 1, i):
+        cost = max(best[k - 1][j], prefix[i] - prefix[j])
+        if cost < best[k][i]:
+          best[k][i], cut[k][i] = cost, j
+  ranges, i = [], n
+  for k in range(stages, 0, -1):
+    j = cut[k][i]
+    ranges.append((j, i))
+    i = j
+  return list(reversed(ranges))
+
+
+def partition_layers(report, stages, layer_ranges=None):
+  """[[layer name, ...] per stage] over the report's layers with parameters."""
+  layers = report.model_layers
+  if stages < 1:
+    raise PlanError(f"stages must be >= 1, got {stages}")
+  if stages > len(layers):
+    raise PlanError(f"{stages} stages but the graph has only {len(layers)} layers with "
+                    f"parameters ({', '.join(l.name for l in layers)}); use at most "
+                    f"{len(layers)} stages")
+  if layer_ranges is None:
+    costs = [max(1, l.forward_flops + l.backward_flops) for l in layers]
+    layer_ranges = balanced_partition(costs, stages)
+  else:
+    layer_ranges = [tuple(r) for r in layer_ranges]
+    if len(layer_ranges) != stages:
+      raise PlanError(f"{len(layer_ranges)} layer ranges given for {stages} stages")
+    expected = 0
+    for start, end in layer_ranges:
+      if start != expected or end <= start:
+        raise PlanError(
+            f"layer ranges {layer_ranges} are not contiguous: each stage must start "
+            "where the previous one ended (ranges are [start, end) over the layers "
+            f"0..{len(layers)}), and hold at least one layer")
+      expected = end
+    if expected != len(layers):
+      raise PlanError(f"layer ranges {layer_ranges} cover layers 0..{expected}, but there "
+                      f"are {len(layers)}; every layer needs a stage")
+  return [[layers[i].name for i in range(start, end)] for start, end in layer_ranges]
+
+
+def assign_stages(graph, report, partition, order=None):
+  """{node name: stage} for every node of `graph`."""
+  layer_stage = {name: s for s, names in enumerate(partition) for name in names}
+  var_nodes = {n.name for n in graph.nodes if variables_lib.is_variable_node(n)}
+  stage = {}
+  for handle in var_nodes:
+    layer = report.variable_layer.get(handle)
+    stage[handle] = layer_stage.get(layer, 0)
+  order = order or graph.topological_order()
+  undecided = []
+  for name in order:
+    if name in stage:
+      continue
+    node = graph.node(name)
+    data = [parse_input(t)[0] for t in node.input if not t.startswith("^")]
+    handles = [d for d in data if d in var_nodes]
+    if handles:
+      stage[name] = stage[handles[0]]
+    elif report.layer_of.get(name) in layer_stage:
+      stage[name] = layer_stage[report.layer_of[name]]
+    else:
+      known = [stage[d] for d in data if d in stage]
+      if known:
+        stage[name] = max(known)
+      else:
+        undecided.append(name)
+  for name in reversed(undecided):
+    consumers = [stage[c.name] for c in graph.consumer_nodes(name) if c.name in stage]
+    stage[name] = min(consumers) if consumers else 0
+  return stage
