@@ -283,6 +283,17 @@ class Materializer(object):
       keys[members] = self.instance_key
     return keys[members]
 
+  def _same_for_all_microbatches(self, current, d):
+    """True if device d's input is one tensor serving every micro-batch."""
+    if not self.local_axes:
+      return False
+    r = self.rep(d)
+    return all(current[x] == current[r] for x in range(self.mesh.size) if self.rep(x) == r)
+
+  def _note_shared(self, current, d, name):
+    if self._same_for_all_microbatches(current, d):
+      self.shared_nodes.add(name)
+
   def _shared(self, current, out, d):
     """out[d] if device d's copy would repeat its micro-batch 0 copy."""
     r = self.rep(d)
@@ -309,6 +320,7 @@ class Materializer(object):
       node = collective_node("CollectiveReduceV2", self.unique(base), device, inputs,
                              info.dtype, self.timeout)
       self.add(node, src, d)
+      self._note_shared(current, d, node.name)
       out[d] = node.name
     self.collectives.append(CollectiveRecord("all_reduce", axis, _tensor(src, port),
                                              consumer, info.num_elements or 0))
@@ -346,6 +358,7 @@ class Materializer(object):
       y = node.name
       if dim != 0:
         y = self._transpose(y, inverse, base + "/from_front", device, info.dtype)
+      self._note_shared(current, d, y)
       out[d] = y
     self.collectives.append(CollectiveRecord("all_gather", axis, _tensor(src, port),
                                              consumer, info.num_elements or 0))
@@ -442,6 +455,7 @@ class Materializer(object):
       node.attr["Index"].type = types_pb2.DT_INT32
       del have_local
       self.add(node, src, d)
+      self._note_shared(current, d, node.name)
       out[d] = node.name
     return out
 

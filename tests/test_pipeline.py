@@ -1,0 +1,114 @@
+"""Pipeline stages with gpipe and 1f1b schedules: exact training, and the order."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfsplit
+from tfsplit import models
+from tfsplit.errors import PlanError
+from tfsplit.graph import load_graph
+from tfsplit.pipeline.partition import balanced_partition
+from tfsplit.pipeline.schedules import GPipe, OneFOneB
+from tfsplit.runtime.split_function import make_mesh
+from tfsplit.sharding.mesh import Mesh
+from tfsplit.sharding.split_pass import split_graph
+
+TIMEOUT = 60.0
+BATCH = 16
+_CACHE = {}
+
+
+def _example(name, size="tiny"):
+  key = (name, size)
+  if key not in _CACHE:
+    _CACHE[key] = models.build(name, size=size, seed=0, batch_size=BATCH)
+  return _CACHE[key]
+
+
+def _names(ex):
+  return list(zip(ex.all_variables(), ex.variable_names()))
+
+
+def _close(got, want, what):
+  got, want = np.asarray(got), np.asarray(want)
+  err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0) if want.size else 0
+  assert err <= 1e-4, f"{what}: relative error {err:.2e}"
+
+
+def _check(name, mesh, m, schedule, size="tiny"):
+  ex = _example(name, size)
+  variables = ex.all_variables()
+  start = [v.numpy().copy() for v in variables]
+  try:
+    step = tfsplit.split(ex.train_step, mesh=mesh, microbatches=m, schedule=schedule,
+                         input_signature=ex.train_signature, variable_names=_names(ex),
+                         timeout_seconds=TIMEOUT)
+    inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=13)]
+    got = [float(step(*inputs)) for _ in range(3)]
+    want = [float(ex.train_step(*inputs)) for _ in range(3)]
+    for g, w in zip(got, want):
+      _close(g, w, "loss")
+    full = step.full_values()
+    for v, n in _names(ex):
+      _close(full[n], v.numpy(), n)
+    return step
+  finally:
+    for v, s in zip(variables, start):
+      v.assign(s)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages,m", [(2, 2), (2, 4), (2, 8), (4, 2), (4, 8)])
+def test_gpt_raw_pipeline(stages, m, schedule):
+  step = _check("gpt_raw", f"pp={stages}", m, schedule)
+  assert len(step.result.partition) == stages
+
+
+@pytest.mark.parametrize("name", ["gpt_keras3", "gpt_tfkeras"])
+def test_keras_pipeline(name):
+  _check(name, "pp=2", 4, "1f1b")
+
+
+def test_hybrid_data_and_pipeline_parallel():
+  step = _check("gpt_raw", "pp=2,dp=2", 2, "1f1b")
+  assert step.result.count("all_reduce") > 0  # gradients over dp
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages,m", [(2, 2), (2, 4), (2, 8), (4, 4), (4, 8)])
+@pytest.mark.parametrize("name", ["gpt_keras3", "gpt_tfkeras"])
+def test_keras_pipeline_full_matrix(name, stages, m, schedule):
+  _check(name, f"pp={stages}", m, schedule, size="small")
+
+
+def test_schedule_orders_match_dapple():
+  assert OneFOneB().order(0, 4, 8)[:6] == [("F", 0), ("F", 1), ("F", 2), ("F", 3),
+                                           ("B", 0), ("F", 4)]
+  assert OneFOneB().order(3, 4, 8)[:4] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
+  assert OneFOneB().order(0, 4, 2) == [("F", 0), ("F", 1), ("B", 0), ("B", 1)]  # m < S
+  assert GPipe().order(1, 4, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1),
+                                    ("B", 2)]
+  for stage in range(4):
+    seq = OneFOneB().order(stage, 4, 8)
+    assert sorted(seq) == sorted(GPipe().order(stage, 4, 8))
+
+
+def test_balanced_partition():
+  assert balanced_partition([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
+  assert balanced_partition([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+
+
+def test_bad_pipeline_requests():
+  ex = _example("gpt_raw")
+  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
+  with pytest.raises(PlanError, match="6 stages but the graph has only 5 layers"):
+    split_graph(graph_def, Mesh({"pp": 6}), microbatches=2)
+  with pytest.raises(PlanError, match="not contiguous"):
+    split_graph(graph_def, make_mesh("pp=2"), microbatches=2,
+                layer_ranges=[(0, 1), (2, 4)])
+  with pytest.raises(PlanError, match="every layer needs a stage"):
+    split_graph(graph_def, make_mesh("pp=2"), microbatches=2,
+                layer_ranges=[(0, 1), (1, 3)])
+  with pytest.raises(PlanError, match="unknown pipeline schedule 'zigzag'"):
+    split_graph(graph_def, make_mesh("pp=2"), microbatches=2, schedule="zigzag")
