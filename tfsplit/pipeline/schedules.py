@@ -10,11 +10,12 @@ schedule sees four sets of nodes:
 and orders them with control edges on that device only, so no collective
 member is ever ordered against a member on another device.
 
-- gpipe: all forwards of a stage, then all backwards: B_in(0) waits for F_out(m-1).
+A schedule is its per-stage order of blocks; each block's entry nodes wait
+for the previous block's exit nodes, which enforces the order exactly:
+- gpipe: F0 .. F(m-1), then B0 .. B(m-1);
 - 1f1b (DAPPLE early backward / PipeDream-Flush): stage s runs K_s = min(S - s, m)
-  warm-up forwards, then alternates: F_in(j) waits for B_out(j - K_s), and
-  B_in(j) waits for F_out(min(j + K_s - 1, m - 1)). At most K_s micro-batches'
-  activations are alive on stage s.
+  warm-up forwards, then alternates B and F, so forward j waits for backward
+  j - K_s and at most K_s micro-batches' activations are alive on stage s.
 """
 import collections
 
@@ -22,43 +23,36 @@ from tfsplit.errors import PlanError
 
 
 class Schedule(object):
+  """A per-stage order of forward (F) and backward (B) micro-batch blocks."""
   name = None
 
-  def edges(self, stage, stages, microbatches):
-    """[(kind_waiting, j_waiting, kind_waited_on, j_waited_on)] for one stage;
-    kinds are 'F_in', 'F_out', 'B_in', 'B_out'."""
+  def order(self, stage, stages, microbatches):
+    """The [('F'|'B', j)] sequence this schedule runs on `stage`."""
     raise NotImplementedError
 
-  def order(self, stage, stages, microbatches):
-    """The (F|B, j) sequence this schedule runs on `stage` (for checks and traces)."""
-    raise NotImplementedError
+  def edges(self, stage, stages, microbatches):
+    """[(kind_waiting, j_waiting, kind_waited_on, j_waited_on)] for one stage:
+    each block starts when the previous one in `order` has finished."""
+    seq = self.order(stage, stages, microbatches)
+    return [(f"{b[0]}_in", b[1], f"{a[0]}_out", a[1]) for a, b in zip(seq, seq[1:])]
 
 
 class GPipe(Schedule):
+  """All forwards of a stage, then all backwards."""
   name = "gpipe"
-
-  def edges(self, stage, stages, microbatches):
-    return [("B_in", 0, "F_out", microbatches - 1)]
 
   def order(self, stage, stages, microbatches):
     return [("F", j) for j in range(microbatches)] + [("B", j) for j in range(microbatches)]
 
 
 class OneFOneB(Schedule):
+  """DAPPLE early backward: K_s = min(S - s, m) warm-up forwards, then one
+  backward and one forward alternately; forward j waits for backward j - K_s."""
   name = "1f1b"
 
   @staticmethod
   def warmup(stage, stages, microbatches):
     return min(stages - stage, microbatches)
-
-  def edges(self, stage, stages, microbatches):
-    k = self.warmup(stage, stages, microbatches)
-    out = []
-    for j in range(microbatches):
-      if j >= k:
-        out.append(("F_in", j, "B_out", j - k))
-      out.append(("B_in", j, "F_out", min(j + k - 1, microbatches - 1)))
-    return out
 
   def order(self, stage, stages, microbatches):
     k = self.warmup(stage, stages, microbatches)
@@ -102,7 +96,8 @@ def micro_batch_sets(graph_def, meta, shared, roles, stage_of, mesh, after_updat
       continue
     key_of[name] = (d, mesh.coord(d, "mb") if "mb" in mesh.axes else 0, role)
   sets = collections.defaultdict(lambda: {"F_in": set(), "F_out": set(),
-                                          "B_in": set(), "B_out": set()})
+                                          "B_in": set(), "B_out": set(),
+                                          "F": set(), "B": set()})
   consumers = collections.defaultdict(set)
   for name, node in nodes.items():
     for text in node.input:
@@ -114,6 +109,7 @@ def micro_batch_sets(graph_def, meta, shared, roles, stage_of, mesh, after_updat
     has_same_input = any(k == (d, j, role) for k in same)
     has_same_consumer = any(key_of.get(c) == (d, j, role) for c in consumers[name])
     tag = "F" if role == "forward" else "B"
+    sets[(d, j)][tag].add(name)
     if not has_same_input:
       sets[(d, j)][tag + "_in"].add(name)
     if not has_same_consumer:
@@ -122,27 +118,48 @@ def micro_batch_sets(graph_def, meta, shared, roles, stage_of, mesh, after_updat
 
 
 def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
-  """Adds the schedule's control edges to `graph_def` (in place); returns their count."""
+  """Adds the schedule's control edges to `graph_def` (in place); returns their count.
+
+  Grappler rewrites the graph before it runs (fusing, removing reshapes and
+  identities), and not every rewrite carries a node's control inputs over.
+  So the edges are made robust: a block's end is a NoOp barrier depending on
+  every op of the block, and every op of the next block (not only its entry
+  ops) waits for that barrier.
+  """
   if "mb" not in mesh.axes:
     return 0  # one micro-batch: nothing to order
   nodes = {n.name: n for n in graph_def.node}
+  barriers = {}
   added = 0
-  devices = sorted({d for d, _ in sets})
-  for d in devices:
-    stage = mesh.coord(d, "pp")
-    # Every micro-batch copy of this device shares its non-mb coordinates.
+
+  def barrier(d, j, kind):
+    key = (d, j, kind)
+    if key not in barriers:
+      members = sorted(sets.get((d, j), {}).get(kind, ()))
+      if not members:
+        barriers[key] = None
+      else:
+        name = f"pipeline_barrier/{kind}{j}/device_{d}"
+        node = graph_def.node.add(name=name, op="NoOp", device=nodes[members[0]].device,
+                                  input=["^" + m for m in members])
+        nodes[name] = node
+        barriers[key] = name
+    return barriers[key]
+
+  for d in sorted({d for d, _ in sets}):
+    coords = mesh.coords(d)
+    if coords["mb"] != 0:
+      continue
+    stage = coords["pp"] if "pp" in coords else 0
     for waiting_kind, j, waited_kind, i in schedule.edges(stage, stages, microbatches):
-      coords = mesh.coords(d)
-      if coords["mb"] != 0:
-        continue
       dj = mesh.device_id({**coords, "mb": j})
       di = mesh.device_id({**coords, "mb": i})
-      waiting = sets.get((dj, j), {}).get(waiting_kind, ())
-      waited = sets.get((di, i), {}).get(waited_kind, ())
-      deps = sorted("^" + w for w in waited)
-      for name in sorted(waiting):
-        node = nodes[name]
-        missing = [t for t in deps if t not in node.input and t[1:] != name]
-        node.input.extend(missing)
-        added += len(missing)
+      name = barrier(di, i, waited_kind[0])
+      if name is None:
+        continue
+      for member in sorted(sets.get((dj, j), {}).get(waiting_kind[0], ())):
+        node = nodes[member]
+        if "^" + name not in node.input:
+          node.input.append("^" + name)
+          added += 1
   return added

@@ -1,0 +1,207 @@
+"""Running a rewritten graph in a TF1-style Session: step stats and servers.
+
+Step stats (per-op start and end times on every device) come from a Session
+run with FULL_TRACE, and TF's gRPC runtime (tf.distribute.Server) is driven
+through Sessions too. The graph's captured-variable placeholders become
+VarHandleOps named after their variable (shard), initialised from values.
+"""
+import json
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+
+from tfsplit.errors import TfsplitError
+from tfsplit.graph import Graph, find_variables
+from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.io import write_atomically
+from tfsplit.graph.layers import graph_outputs
+from tfsplit.runtime.graph_function import graph_inputs
+
+_SHARD_RE = re.compile(r"^(.*)/shard_(\d+)$")
+
+
+def with_variable_handles(graph_def):
+  """GraphDef whose captured-variable placeholders are VarHandleOps.
+
+  The handle's shared_name is the recorded variable name, so two graphs (or
+  two runs) see the same variable by name.
+  """
+  out = graph_pb2.GraphDef()
+  out.CopyFrom(graph_def)
+  for node in out.node:
+    if node.op != "Placeholder" or variables_lib.VAR_NAME_ATTR not in node.attr:
+      continue
+    name, device = node.name, node.device
+    shared = node.attr[variables_lib.VAR_NAME_ATTR].s
+    dtype = node.attr[variables_lib.VAR_DTYPE_ATTR].type
+    shape = tf.TensorShape(node.attr[variables_lib.VAR_SHAPE_ATTR].shape)
+    node.Clear()
+    node.name, node.op, node.device = name, "VarHandleOp", device
+    node.attr["dtype"].type = dtype
+    node.attr["shape"].shape.CopyFrom(shape.as_proto())
+    node.attr["shared_name"].s = shared
+    node.attr["container"].s = b""
+  return out
+
+
+class SessionRunner(object):
+  """A rewritten graph in a Session, with its variables initialised."""
+
+  def __init__(self, graph_def, values, target="", num_cpus=None, config=None):
+    self.graph_def = with_variable_handles(graph_def)
+    graph = Graph(graph_def)
+    self.inputs = graph_inputs(graph)
+    self.outputs = graph_outputs(graph)
+    self.graph = tf.Graph()
+    with self.graph.as_default():
+      tf.graph_util.import_graph_def(self.graph_def, name="")
+      inits, self._feeds = [], {}
+      for info in find_variables(graph):
+        if info.name not in values:
+          raise TfsplitError(f"no value for variable '{info.name}'")
+        handle = self.graph.get_tensor_by_name(info.node + ":0")
+        with tf.device(handle.device):
+          value = tf.compat.v1.placeholder(tf.as_dtype(info.dtype), info.shape)
+          inits.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value))
+        self._feeds[value] = values[info.name]
+      self._init = tf.group(*inits)
+    if config is None:
+      config = tf.compat.v1.ConfigProto(
+          device_count={"CPU": num_cpus or _cpu_count(graph_def)},
+          allow_soft_placement=False)
+    self.session = tf.compat.v1.Session(target, graph=self.graph, config=config)
+    self.session.run(self._init, feed_dict=self._feeds)
+
+  def run(self, inputs, trace=False):
+    """Outputs of one step; with trace=True also its RunMetadata."""
+    feeds = {self.graph.get_tensor_by_name(n + ":0"): v for n, v in zip(self.inputs, inputs)}
+    fetches = [self.graph.get_tensor_by_name(n + ":0") for n in self.outputs]
+    if not trace:
+      return self.session.run(fetches, feed_dict=feeds), None
+    options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
+    metadata = tf.compat.v1.RunMetadata()
+    out = self.session.run(fetches, feed_dict=feeds, options=options,
+                           run_metadata=metadata)
+    return out, metadata
+
+  def variable_values(self, names):
+    with self.graph.as_default():
+      out = {}
+      for name in names:
+        node = next(n for n in self.graph_def.node
+                    if n.op == "VarHandleOp" and n.attr["shared_name"].s.decode() == name)
+        handle = self.graph.get_tensor_by_name(node.name + ":0")
+        out[name] = self.session.run(tf.raw_ops.ReadVariableOp(
+            resource=handle, dtype=tf.as_dtype(node.attr["dtype"].type)))
+      return out
+
+
+def _cpu_count(graph_def):
+  ids = [int(m.group(1)) for n in graph_def.node
+         for m in [re.search(r"device:CPU:(\d+)$", n.device)] if m]
+  return max(ids) + 1 if ids else 1
+
+
+def op_events(metadata):
+  """[(device, node name, start_us, end_us)] from a RunMetadata's step stats."""
+  events = []
+  for dev in metadata.step_stats.dev_stats:
+    if "/device:" not in dev.device or "stream" in dev.device or "memcpy" in dev.device:
+      continue
+    for ns in dev.node_stats:
+      start = ns.all_start_micros
+      end = start + max(ns.all_end_rel_micros, 1)
+      events.append((dev.device, ns.node_name, start, end))
+  return events
+
+
+def chrome_trace(events, labels=None):
+  """Chrome-trace / Perfetto JSON dict of op events (one track per device).
+
+  labels: optional {node name: (category, label)} (e.g. ('F', 'mb 3')).
+  """
+  t0 = min((e[2] for e in events), default=0)
+  devices = sorted({e[0] for e in events})
+  pid = {d: i for i, d in enumerate(devices)}
+  out = [{"name": "process_name", "ph": "M", "pid": pid[d], "args": {"name": d}}
+         for d in devices]
+  for device, name, start, end in events:
+    cat, label = (labels or {}).get(name, ("op", name))
+    out.append({"name": label, "cat": cat, "ph": "X", "ts": start - t0,
+                "dur": end - start, "pid": pid[device], "tid": 0,
+                "args": {"node": name}})
+  return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(events, path, labels=None):
+  write_atomically(path, json.dumps(chrome_trace(events, labels)))
+
+
+def local_node_origin(name):
+  """('orig', device id) for a materialized node 'orig/shard_d' (else None)."""
+  m = _SHARD_RE.match(name)
+  if not m:
+    return None
+  return m.group(1), int(m.group(2))
+
+
+def microbatch_blocks(events, roles, mesh, graph_def):
+  """{stage: [(('F'|'B', j), start, end)] sorted by start} from op events.
+
+  roles: original node -> 'forward'/'backward'; graph_def: the rewritten
+  graph. The stage and micro-batch of an op come from its name (orig/shard_d)
+  and the mesh. Only ops that do per-micro-batch work count: ops with data
+  inputs that exist once per micro-batch (constants and ops shared by all
+  micro-batches run whenever their inputs allow).
+  """
+  copies = {}
+  for node in graph_def.node:
+    origin = local_node_origin(node.name)
+    if origin is None or origin[1] >= mesh.size or node.op == "Const" or not any(
+        not t.startswith("^") for t in node.input):
+      continue
+    j = mesh.coord(origin[1], "mb") if "mb" in mesh.axes else 0
+    copies.setdefault(origin[0], set()).add(j)
+  spans = {}
+  for _, name, start, end in events:
+    origin = local_node_origin(name)
+    if origin is None:
+      continue
+    orig, d = origin
+    if orig not in copies or ("mb" in mesh.axes and len(copies[orig]) < 2):
+      continue
+    role = roles.get(orig)
+    if role not in ("forward", "backward") or d >= mesh.size:
+      continue
+    stage = mesh.coord(d, "pp") if "pp" in mesh.axes else 0
+    j = mesh.coord(d, "mb") if "mb" in mesh.axes else 0
+    if any(a in mesh.axes and mesh.coord(d, a) != 0 for a in ("dp", "tp")):
+      continue
+    key = (stage, ("F" if role == "forward" else "B", j))
+    lo, hi = spans.get(key, (start, end))
+    spans[key] = (min(lo, start), max(hi, end))
+  blocks = {}
+  for (stage, block), (lo, hi) in spans.items():
+    blocks.setdefault(stage, []).append((block, lo, hi))
+  for stage in blocks:
+    blocks[stage].sort(key=lambda b: (b[1], b[2]))
+  return blocks
+
+
+def seeded_values(graph_def, manifest=None, seed=0):
+  """Variable values for a rewritten graph: shards of seeded full values."""
+  from tfsplit.runtime import shards as shards_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.verify import seeded_variable_values  # pylint: disable=import-outside-toplevel
+  if manifest is None:
+    return seeded_variable_values(Graph(graph_def), seed)
+  rng = np.random.RandomState(seed)
+  full = {}
+  for name, entry in sorted(manifest.items()):
+    dtype = np.dtype(entry["dtype"]) if entry["dtype"] != "unknown" else np.float32
+    if np.issubdtype(dtype, np.integer):
+      full[name] = np.zeros(entry["shape"], dtype)
+    else:
+      full[name] = (rng.uniform(0, 0.1, entry["shape"])).astype(dtype)
+  return shards_lib.shard_values(manifest, full)
