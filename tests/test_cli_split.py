@@ -59,3 +59,23 @@ def test_rewrite_data_parallel_microbatched(tmp_path, capsys):
   assert code == 0, stdout
   code, stdout, _ = _cli(["verify", TRAIN, str(out), "--steps", "2"], capsys)
   assert code == 0, stdout
+
+
+def test_rewrite_pipeline_verify_and_trace(tmp_path, capsys):
+  out = tmp_path / "gpt_pp2.pb"
+  code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "dp=1", "--stages",
+                          "2", "--microbatches", "4", "--schedule", "1f1b",
+                          "--collective_timeout", "60"], capsys)
+  assert code == 0, stdout
+  assert "pipeline: 2 stages" in stdout
+  code, stdout, _ = _cli(["verify", TRAIN, str(out), "--steps", "2"], capsys)
+  assert code == 0, stdout
+  trace = tmp_path / "trace.json"
+  code, stdout, _ = _cli(["trace", str(out), "-o", str(trace)], capsys)
+  assert code == 0, stdout
+  events = json.loads(trace.read_text())["traceEvents"]
+  kinds = {e.get("cat") for e in events}
+  assert {"F", "B"} <= kinds
+  code, _, err = _cli(["rewrite", TRAIN, "-o", str(tmp_path / "x.pb"), "--stages", "2",
+                       "--schedule", "zigzag"], capsys)
+  assert code == 2 and "zigzag" in err

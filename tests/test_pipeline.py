@@ -112,3 +112,28 @@ def test_bad_pipeline_requests():
                 layer_ranges=[(0, 1), (1, 3)])
   with pytest.raises(PlanError, match="unknown pipeline schedule 'zigzag'"):
     split_graph(graph_def, make_mesh("pp=2"), microbatches=2, schedule="zigzag")
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_step_trace_follows_the_schedule(schedule):
+  """Each stage runs its forward/backward micro-batch blocks in schedule order,
+  read from the step stats of a real run (Grappler on)."""
+  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
+  from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  ex = _example("gpt_raw")
+  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
+  stages, m = 2, 4
+  result = split_graph(graph_def, Mesh({"pp": stages}), microbatches=m, schedule=schedule,
+                       timeout_seconds=TIMEOUT)
+  runner = session_lib.SessionRunner(
+      result.graph_def, session_lib.seeded_values(result.graph_def, result.manifest))
+  _, metadata = runner.run(ex.make_inputs("train", seed=1), trace=True)
+  roles = detect_layers(Graph(graph_def)).role
+  mesh = Mesh({"pp": stages}).with_microbatches(m)
+  blocks = session_lib.microbatch_blocks(session_lib.op_events(metadata), roles, mesh,
+                                         result.graph_def)
+  assert sorted(blocks) == list(range(stages))
+  for stage, seq in blocks.items():
+    assert [b[0] for b in seq] == get_schedule(schedule).order(stage, stages, m), stage

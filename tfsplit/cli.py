@@ -14,6 +14,7 @@ COMMANDS = {
     "inspect": ("tfsplit.commands.inspect_cmd", "op histogram, variables and layer table of a graph"),
     "rewrite": ("tfsplit.commands.rewrite_cmd", "split a graph over a device mesh (writes graph + shard manifest)"),
     "verify": ("tfsplit.commands.verify_cmd", "run original and rewritten graphs on seeded inputs and compare"),
+    "trace": ("tfsplit.commands.trace_cmd", "Chrome-trace JSON of one real step of a (rewritten) graph"),
     "estimate": ("tfsplit.commands.estimate_cmd", "memory of model states from a parameter count; pipeline bubble simulation"),
     "calibrate": ("tfsplit.commands.calibrate_cmd", "measure op costs on this machine into a cost table"),
 }

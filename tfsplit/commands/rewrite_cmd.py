@@ -22,6 +22,12 @@ def _define_flags():
   flags.DEFINE_integer("microbatches", 1, "Micro-batches per step (in-graph gradient "
                        "accumulation); the batch must divide by dp x microbatches.",
                        flag_values=fv)
+  flags.DEFINE_integer("stages", 1, "Pipeline stages (adds a pp axis in front of "
+                       "--mesh); layers are balanced by FLOPs.", flag_values=fv)
+  flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe"], "Pipeline schedule.",
+                    flag_values=fv)
+  flags.DEFINE_string("layers", None, "Explicit stage layer ranges, e.g. '0:3,3:6' "
+                      "(half-open, over the layers with parameters).", flag_values=fv)
   flags.DEFINE_enum("strategy", "megatron", ["megatron", "none"],
                     "How to choose what to split.", flag_values=fv)
   flags.DEFINE_multi_string("annotate", [], "VARIABLE_GLOB=DIMS, e.g. "
@@ -65,6 +71,18 @@ def main(argv):
   t0 = time.perf_counter()
   graph_def = load_graph(positional[0], signature=fv.signature)
   axes = Mesh.parse(fv.mesh).axes
+  if fv.stages > 1:
+    if "pp" in axes:
+      raise TfsplitError("give the pipeline either as --stages or as pp= in --mesh, "
+                         "not both")
+    axes = {"pp": fv.stages, **axes}
+  layer_ranges = None
+  if fv.layers:
+    try:
+      layer_ranges = [tuple(int(x) for x in part.split(":")) for part in fv.layers.split(",")]
+    except ValueError:
+      raise TfsplitError(f"cannot read --layers '{fv.layers}'; write start:end ranges, "
+                         "e.g. 0:3,3:6") from None
   size = 1
   for s in axes.values():
     size *= s
@@ -73,7 +91,8 @@ def main(argv):
   mesh = Mesh(axes, devices)
   annotations = dict(parse_annotation(a) for a in fv.annotate)
   result = split_graph(graph_def, mesh, strategy=fv.strategy, annotations=annotations,
-                       timeout_seconds=fv.collective_timeout, microbatches=fv.microbatches)
+                       timeout_seconds=fv.collective_timeout, microbatches=fv.microbatches,
+                       schedule=fv.schedule, layer_ranges=layer_ranges)
   manifest = {"mesh": dict(mesh.axes), "devices": mesh.devices,
               "microbatches": fv.microbatches,
               "source": os.path.abspath(positional[0]), "variables": result.manifest}
@@ -87,6 +106,9 @@ def main(argv):
       f"{time.perf_counter() - t0:.2f} s\n"
       f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} of "
       f"{len(result.manifest)} variables split\n"
+      + (f"  pipeline: {len(result.partition)} stages {result.partition}, "
+         f"{fv.schedule} over {fv.microbatches} micro-batches\n"
+         if getattr(result, "partition", None) else "") +
       f"  collectives: {result.count('all_reduce')} all-reduce, "
       f"{result.count('local_sum')} micro-batch sums, "
       f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} fallback(s) to "

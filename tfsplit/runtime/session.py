@@ -68,9 +68,7 @@ class SessionRunner(object):
         self._feeds[value] = values[info.name]
       self._init = tf.group(*inits)
     if config is None:
-      config = tf.compat.v1.ConfigProto(
-          device_count={"CPU": num_cpus or _cpu_count(graph_def)},
-          allow_soft_placement=False)
+      config = session_config(graph_def, num_cpus)
     self.session = tf.compat.v1.Session(target, graph=self.graph, config=config)
     self.session.run(self._init, feed_dict=self._feeds)
 
@@ -96,6 +94,21 @@ class SessionRunner(object):
         out[name] = self.session.run(tf.raw_ops.ReadVariableOp(
             resource=handle, dtype=tf.as_dtype(node.attr["dtype"].type)))
       return out
+
+
+def session_config(graph_def, num_cpus=None):
+  """ConfigProto for running `graph_def`: enough CPU devices, and for a
+  pipelined graph one Grappler round. (With the default two rounds, the
+  second dependency-optimizer pass drops schedule control edges that earlier
+  rewrites made look redundant, and stages run micro-batches out of order;
+  one round keeps every schedule edge, as the trace test checks.)"""
+  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
+  config = tf.compat.v1.ConfigProto(
+      device_count={"CPU": num_cpus or _cpu_count(graph_def)}, allow_soft_placement=False)
+  if any(n.name.startswith("pipeline_barrier/") for n in graph_def.node):
+    config.graph_options.rewrite_options.meta_optimizer_iterations = (
+        rewriter_config_pb2.RewriterConfig.ONE)
+  return config
 
 
 def _cpu_count(graph_def):
