@@ -1,10 +1,6 @@
 """Pipeline stages with gpipe and 1f1b schedules: exact training, and the order."""
-import numpy as np
 import pytest
-import tensorflow as tf
 
-import tfsplit
-from tfsplit import models
 from tfsplit.errors import PlanError
 from tfsplit.graph import load_graph
 from tfsplit.pipeline.partition import balanced_partition
@@ -13,48 +9,14 @@ from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding.mesh import Mesh
 from tfsplit.sharding.split_pass import split_graph
 
-TIMEOUT = 60.0
+from _util import TIMEOUT, check_training, example, names
+
 BATCH = 16
-_CACHE = {}
-
-
-def _example(name, size="tiny"):
-  key = (name, size)
-  if key not in _CACHE:
-    _CACHE[key] = models.build(name, size=size, seed=0, batch_size=BATCH)
-  return _CACHE[key]
-
-
-def _names(ex):
-  return list(zip(ex.all_variables(), ex.variable_names()))
-
-
-def _close(got, want, what):
-  got, want = np.asarray(got), np.asarray(want)
-  err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0) if want.size else 0
-  assert err <= 1e-4, f"{what}: relative error {err:.2e}"
 
 
 def _check(name, mesh, m, schedule, size="tiny"):
-  ex = _example(name, size)
-  variables = ex.all_variables()
-  start = [v.numpy().copy() for v in variables]
-  try:
-    step = tfsplit.split(ex.train_step, mesh=mesh, microbatches=m, schedule=schedule,
-                         input_signature=ex.train_signature, variable_names=_names(ex),
-                         timeout_seconds=TIMEOUT)
-    inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=13)]
-    got = [float(step(*inputs)) for _ in range(3)]
-    want = [float(ex.train_step(*inputs)) for _ in range(3)]
-    for g, w in zip(got, want):
-      _close(g, w, "loss")
-    full = step.full_values()
-    for v, n in _names(ex):
-      _close(full[n], v.numpy(), n)
-    return step
-  finally:
-    for v, s in zip(variables, start):
-      v.assign(s)
+  return check_training(example(name, size, batch_size=BATCH), seed=13, mesh=mesh,
+                        microbatches=m, schedule=schedule)
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
@@ -100,8 +62,8 @@ def test_balanced_partition():
 
 
 def test_bad_pipeline_requests():
-  ex = _example("gpt_raw")
-  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
+  ex = example("gpt_raw", batch_size=BATCH)
+  graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
   with pytest.raises(PlanError, match="6 stages but the graph has only 5 layers"):
     split_graph(graph_def, Mesh({"pp": 6}), microbatches=2)
   with pytest.raises(PlanError, match="not contiguous"):
@@ -122,8 +84,8 @@ def test_step_trace_follows_the_schedule(schedule):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
-  ex = _example("gpt_raw")
-  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
+  ex = example("gpt_raw", batch_size=BATCH)
+  graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
   stages, m = 2, 4
   result = split_graph(graph_def, Mesh({"pp": stages}), microbatches=m, schedule=schedule,
                        timeout_seconds=TIMEOUT)

@@ -159,7 +159,7 @@ def test_1f1b_stage_order_is_warmup_then_alternate():
   assert order == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("F", 3), ("B", 1),
                    ("F", 4), ("B", 2), ("F", 5), ("B", 3), ("B", 4), ("B", 5)]
   assert pipeline_sim.stage_order("gpipe", 2, 2, 0) == [
-      ("F", 0), ("F", 1), ("B", 1), ("B", 0)]
+      ("F", 0), ("F", 1), ("B", 0), ("B", 1)]
 
 
 def test_p2p_links_add_communication():

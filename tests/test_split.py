@@ -12,27 +12,10 @@ from tfsplit.runtime.graph_function import import_graph
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding.split_pass import split_graph
 
-_CACHE = {}
-# Collectives fail after this long instead of hanging a test run.
-TIMEOUT = 60.0
+from _util import TIMEOUT, check_training, example, names
 
-
-def _example(name):
-  if name not in _CACHE:
-    _CACHE[name] = models.build(name, size="tiny", seed=0)
-  return _CACHE[name]
-
-
-def _names(ex):
-  return list(zip(ex.all_variables(), ex.variable_names()))
-
-
-def _close(got, want, what):
-  """Relative error against the tensor's scale (at least 1: Adam moves every
-  weight by about the learning rate, whatever its size)."""
-  got, want = np.asarray(got), np.asarray(want)
-  err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0) if want.size else 0
-  assert err <= 1e-4, f"{what}: relative error {err:.2e}"
+_example = example
+_names = names
 
 
 def _run_split(ex, kind, mesh, steps):
@@ -61,20 +44,12 @@ def test_forward_matches(name, mesh):
 @pytest.mark.parametrize("name", ["gpt_raw", "gpt_keras3", "gpt_tfkeras"])
 def test_training_matches_single_device(name, mesh):
   ex = _example(name)
+  step = check_training(ex, seed=7, mesh=mesh)
+  assert any(s for s in step.result.variable_specs.values())  # something was split
+  # assign_back writes the split run's values into the model's variables.
   variables = ex.all_variables()
   start = [v.numpy().copy() for v in variables]
-  step = tfsplit.split(ex.train_step, mesh=mesh, input_signature=ex.train_signature,
-                       variable_names=_names(ex), timeout_seconds=TIMEOUT)
-  inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=7)]
-  got = [float(step(*inputs)) for _ in range(3)]
-  want = [float(ex.train_step(*inputs)) for _ in range(3)]
-  for g, w in zip(got, want):
-    _close(g, w, "loss")
   full = step.full_values()
-  for v, n in _names(ex):
-    _close(full[n], v.numpy(), n)
-  # Something was split, and assign_back restores the split run's values.
-  assert any(s for s in step.result.variable_specs.values())
   step.assign_back()
   for v, n in _names(ex):
     np.testing.assert_array_equal(v.numpy(), full[n])

@@ -33,17 +33,10 @@ def theoretical_peak_activations(schedule, stages, microbatches):
 
 
 def stage_order(schedule, stages, microbatches, stage):
-  """The order stage `stage` runs its tasks: [('F' or 'B', micro-batch)]."""
-  m = microbatches
-  if schedule == "gpipe":
-    return [("F", j) for j in range(m)] + [("B", j) for j in reversed(range(m))]
-  warmup = min(stages - stage, m)
-  order = [("F", j) for j in range(warmup)]
-  for j in range(m):
-    order.append(("B", j))
-    if warmup + j < m:
-      order.append(("F", warmup + j))
-  return order
+  """The order stage `stage` runs its tasks: [('F' or 'B', micro-batch)] — the
+  same schedule classes that order a real pipelined graph."""
+  from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
+  return get_schedule(schedule).order(stage, stages, microbatches)
 
 
 @dataclasses.dataclass
