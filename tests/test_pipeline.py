@@ -19,8 +19,13 @@ def _check(name, mesh, m, schedule, size="tiny"):
                         microbatches=m, schedule=schedule)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-@pytest.mark.parametrize("stages,m", [(2, 2), (2, 4), (2, 8), (4, 2), (4, 8)])
+_CI = {(2, 4, "1f1b"), (2, 4, "gpipe"), (4, 2, "1f1b"), (4, 8, "1f1b")}
+RAW_CASES = [c if c in _CI else pytest.param(*c, marks=pytest.mark.slow)
+             for c in [(s, m, sched) for s, m in [(2, 2), (2, 4), (2, 8), (4, 2), (4, 8)]
+                       for sched in ("1f1b", "gpipe")]]
+
+
+@pytest.mark.parametrize("stages,m,schedule", RAW_CASES)
 def test_gpt_raw_pipeline(stages, m, schedule):
   step = _check("gpt_raw", f"pp={stages}", m, schedule)
   assert len(step.result.partition) == stages
