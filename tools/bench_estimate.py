@@ -52,10 +52,12 @@ def measure_one(name, size, steps, with_time):
   from tfsplit.cost import graph_sim, op_cost  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph  # pylint: disable=import-outside-toplevel
 
-  # One inter-op thread: ops run one at a time, in a fixed order, as the
-  # simulator models them; with two threads the peak wanders with scheduling
-  # (the MLP's by +-25% between runs on a loaded 2-core machine).
-  tf.config.threading.set_inter_op_parallelism_threads(1)
+  if not with_time:
+    # Memory only: one inter-op thread, so ops run one at a time in a fixed
+    # order, as the simulator models them; with two threads the peak wanders
+    # with scheduling (the MLP's by +-25% between runs on a loaded 2-core
+    # machine). Timing runs keep TF's default threads, as training would.
+    tf.config.threading.set_inter_op_parallelism_threads(1)
   ex = models.build(name, size, seed=0)
   inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
   ex.train_step(*inputs)  # trace, Grappler, kernels
