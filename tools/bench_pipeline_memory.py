@@ -1,0 +1,554 @@
+"""Benchmark: per-stage activation memory of a pipelined step, gpipe vs 1f1b.
+
+Splits the example's training step into S pipeline stages (`pp=S`) over m
+micro-batches and runs it with one stage per worker process: S TF gRPC
+servers on loopback (`/job:worker/task:i`, a subprocess of this script with
+--worker=i), driven by a Session from this process (which runs no server).
+All logical CPU devices of one process share one allocator (DESIGN fact 5),
+so each worker reports its own allocator's statistics: the memory in use
+after `reset_memory_stats` (baseline: the stage's variables, optimizer slots)
+and the peak of the step. Activation memory = peak - baseline, the median
+over --steps steps after a warm-up step, for each schedule on a fresh
+cluster (variables live in the servers' resource managers).
+
+Targets: stage 0's activation memory under 1f1b <= 0.6 x gpipe (theory
+min(S, m) / m), and stage i holds at most min(S - i, m) micro-batches' worth
+of activations. One micro-batch's activations on stage i is estimated from a
+reference run with one micro-batch of the same size (m = 1, batch B / m):
+unit_i = (gpipe_i - ref_i) / (m - 1) (gpipe keeps all m alive), and a
+schedule holds 1 + (act_i - ref_i) / unit_i micro-batches.
+
+A traced step gives each stage's forward/backward block order (step stats),
+checked against the schedule's order. With --explain (default) every worker
+also profiles one step, and the allocator events give what is alive at the
+stage's peak: bytes per forward/backward block of each micro-batch (so the
+micro-batches whose activations are alive are counted directly), requested
+bytes against BFC chunk sizes (BFC does not split a chunk less than twice
+the request, so the allocator's totals include internal fragmentation), and
+bytes from other stages' ops (0: each worker's allocator serves its stage).
+
+The batch default (256, micro-batches of 32) makes activations dominate; at
+small batches per-stage constants (gradient accumulators, one micro-batch's
+backward temporaries) weigh more and the 1f1b/gpipe ratios rise above theory.
+
+Workers run with TF_CPU_ALLOCATOR_USE_BFC=true (CPU memory statistics) and,
+by default, one inter-op thread (ops of a stage run one at a time); the
+client runs the graph with one Grappler round, as `session_config` does for
+pipelined graphs, so the schedule's control edges survive. The cluster spec
+names only 127.0.0.1 ports, so all traffic stays on loopback (TF's gRPC
+server itself listens on 0.0.0.0:port; it has no bind-address option). Each
+worker exits on "quit" or when its stdin closes; the client kills any still
+running after a bounded wait.
+
+    python tools/bench_pipeline_memory.py [--model gpt_raw] [--size small]
+        [--batch 256] [--stages 4] [--microbatches 8] [--steps 5]
+        [--explain_top 20]
+"""
+import json
+import os
+import queue
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+  sys.path.insert(0, _ROOT)
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
+flags.DEFINE_string("size", "small", "Example size.")
+flags.DEFINE_integer("batch", 256, "Batch size (divisible by --microbatches).", lower_bound=1)
+flags.DEFINE_integer("stages", 4, "Pipeline stages S (one worker process each).",
+                     lower_bound=1)
+flags.DEFINE_integer("microbatches", 8, "Micro-batches m.", lower_bound=1)
+flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules to compare.")
+flags.DEFINE_integer("steps", 5, "Measured steps per schedule (median).", lower_bound=1)
+flags.DEFINE_integer("warmup", 1, "Unmeasured steps first.", lower_bound=0)
+flags.DEFINE_integer("inter_op_threads", 1, "Inter-op threads of each worker.",
+                     lower_bound=0)
+flags.DEFINE_integer("intra_op_threads", 0, "Intra-op threads of each worker (0: TF's "
+                     "default).", lower_bound=0)
+flags.DEFINE_boolean("reference", True, "Also run m = 1 at batch B / m (one "
+                     "micro-batch's activations per stage).")
+flags.DEFINE_boolean("trace", True, "Run one traced step per schedule and check "
+                     "each stage's block order.")
+flags.DEFINE_integer("timeout", 300, "Seconds to wait for a worker reply or a step.",
+                     lower_bound=1)
+flags.DEFINE_float("target", 0.6, "Stage 0 target: 1f1b <= target x gpipe.")
+flags.DEFINE_boolean("explain", True, "Profile one more step per schedule on every "
+                     "worker and print what is alive at each stage's peak.")
+flags.DEFINE_integer("explain_top", 0, "Largest live buffers to print per stage.",
+                     lower_bound=0)
+# Worker mode (internal).
+flags.DEFINE_integer("worker", -1, "Internal: run as worker task i.")
+flags.DEFINE_list("ports", [], "Internal: the workers' loopback ports.")
+
+_MIB = 2.0**20
+_TAG = "@@bench "  # prefix of worker replies on stdout
+_HOST = "127.0.0.1"
+
+
+# ---------------------------------------------------------------- worker side
+
+def _reply(obj):
+  sys.stdout.write(_TAG + json.dumps(obj) + "\n")
+  sys.stdout.flush()
+
+
+def _worker_main(index, ports):
+  """One TF server (task `index`) answering memory commands on stdin."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  cluster = tf.train.ClusterSpec({"worker": [f"{_HOST}:{p}" for p in ports]})
+  config = tf.compat.v1.ConfigProto(
+      inter_op_parallelism_threads=FLAGS.inter_op_threads,
+      intra_op_parallelism_threads=FLAGS.intra_op_threads)
+  tf.distribute.Server(cluster, job_name="worker", task_index=index, config=config,
+                       start=True)
+  device = "CPU:0"
+
+  def info():
+    mem = tf.config.experimental.get_memory_info(device)
+    return {"task": index, "current": int(mem["current"]), "peak": int(mem["peak"])}
+
+  _reply({"ready": index, **info()})
+  for line in sys.stdin:
+    cmd = line.strip()
+    if cmd == "reset":
+      tf.config.experimental.reset_memory_stats(device)
+      _reply(info())
+    elif cmd == "peak":
+      _reply(info())
+    elif cmd.startswith("profile "):
+      options = tf.profiler.experimental.ProfilerOptions(
+          host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
+      tf.profiler.experimental.start(cmd.split(" ", 1)[1], options=options)
+      _reply(info())
+    elif cmd == "endprofile":
+      tf.profiler.experimental.stop()
+      _reply(info())
+    elif cmd == "quit":
+      break
+    elif cmd:
+      _reply({"error": f"unknown command '{cmd}'"})
+  # A gRPC server cannot be stopped from Python; leave without joining it.
+  sys.stdout.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
+
+# ---------------------------------------------------------------- client side
+
+def _free_ports(n):
+  """n distinct free loopback ports (bound to port 0, then released)."""
+  socks, ports = [], []
+  try:
+    for _ in range(n):
+      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+      s.bind((_HOST, 0))
+      socks.append(s)
+      ports.append(s.getsockname()[1])
+  finally:
+    for s in socks:
+      s.close()
+  return ports
+
+
+class _Workers(object):
+  """S worker processes (one TF server each) and their command channels."""
+
+  def __init__(self, n, logdir, timeout):
+    self.ports = _free_ports(n)
+    self.timeout = timeout
+    self.procs, self._queues, self._logs = [], [], []
+    script = os.path.abspath(__file__)
+    try:
+      for i in range(n):
+        log = open(os.path.join(logdir, f"worker{i}_{self.ports[i]}.log"), "w",
+                   encoding="utf-8")
+        self._logs.append(log)
+        cmd = [sys.executable, script, f"--worker={i}",
+               "--ports=" + ",".join(str(p) for p in self.ports),
+               f"--inter_op_threads={FLAGS.inter_op_threads}",
+               f"--intra_op_threads={FLAGS.intra_op_threads}"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=log, text=True, bufsize=1)
+        self.procs.append(proc)
+        q = queue.Queue()
+        threading.Thread(target=self._pump, args=(proc, q), daemon=True).start()
+        self._queues.append(q)
+      self.ready = [self._read(i) for i in range(n)]
+    except BaseException:
+      self.stop()
+      raise
+
+  @staticmethod
+  def _pump(proc, q):
+    for line in proc.stdout:
+      if line.startswith(_TAG):
+        q.put(json.loads(line[len(_TAG):]))
+    q.put(None)  # end of output
+
+  def _read(self, i):
+    try:
+      reply = self._queues[i].get(timeout=self.timeout)
+    except queue.Empty:
+      raise RuntimeError(f"worker {i} did not answer within {self.timeout}s"
+                         f"{self._log_tail(i)}") from None
+    if reply is None or "error" in reply:
+      raise RuntimeError(f"worker {i} failed ({reply}){self._log_tail(i)}")
+    return reply
+
+  def _log_tail(self, i, lines=20):
+    self._logs[i].flush()
+    with open(self._logs[i].name, encoding="utf-8", errors="replace") as f:
+      tail = f.readlines()[-lines:]
+    return "; its log ends:\n" + "".join(tail) if tail else ""
+
+  def command(self, cmd):
+    """Sends `cmd` (a string, or one per worker) to every worker; their
+    replies, in task order."""
+    cmds = [cmd] * len(self.procs) if isinstance(cmd, str) else cmd
+    for proc, c in zip(self.procs, cmds):
+      proc.stdin.write(c + "\n")
+      proc.stdin.flush()
+    return [self._read(i) for i in range(len(self.procs))]
+
+  def stop(self):
+    """Asks every worker to quit; kills those still running after a bounded wait."""
+    for proc in self.procs:
+      try:
+        if proc.poll() is None:
+          proc.stdin.write("quit\n")
+          proc.stdin.flush()
+      except (BrokenPipeError, OSError, ValueError):
+        pass
+    deadline = time.time() + 10
+    for proc in self.procs:
+      try:
+        proc.wait(timeout=max(0.1, deadline - time.time()))
+      except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)
+    for log in self._logs:
+      log.close()
+
+
+def _client_config(graph_def):
+  """Session config: one Grappler round (keeps schedule edges), bounded ops."""
+  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  config = session_lib.session_config(graph_def)
+  config.graph_options.rewrite_options.meta_optimizer_iterations = (
+      rewriter_config_pb2.RewriterConfig.ONE)
+  config.operation_timeout_in_ms = FLAGS.timeout * 1000
+  return config
+
+
+def _measure(label, ex, graph_def, schedule, microbatches, logdir):
+  """{stage: activation bytes (median)}, loss, partition, block orders."""
+  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
+  from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.split_pass import split_graph  # pylint: disable=import-outside-toplevel
+  stages = FLAGS.stages
+  t0 = time.time()
+  workers = _Workers(stages, logdir, FLAGS.timeout)
+  runner = None
+  try:
+    devices = [f"/job:worker/replica:0/task:{s}/device:CPU:0" for s in range(stages)]
+    mesh = Mesh({"pp": stages}, devices)
+    result = split_graph(graph_def, mesh, microbatches=microbatches, schedule=schedule,
+                         timeout_seconds=FLAGS.timeout)
+    values = session_lib.seeded_values(result.graph_def, result.manifest)
+    runner = session_lib.SessionRunner(
+        result.graph_def, values, target=f"grpc://{_HOST}:{workers.ports[0]}",
+        config=_client_config(result.graph_def))
+    inputs = ex.make_inputs("train", seed=1)
+    first = None
+    for _ in range(FLAGS.warmup):
+      out, _ = runner.run(inputs)
+      first = float(out[0]) if first is None else first
+    acts, bases, peaks = [], [], []
+    for _ in range(FLAGS.steps):
+      base = workers.command("reset")
+      out, _ = runner.run(inputs)
+      first = float(out[0]) if first is None else first
+      peak = workers.command("peak")
+      bases.append([b["current"] for b in base])
+      peaks.append([p["peak"] for p in peak])
+      acts.append([p["peak"] - b["current"] for b, p in zip(base, peak)])
+    med = lambda rows, s: statistics.median(r[s] for r in rows)
+    stats = {s: {"act": med(acts, s), "base": med(bases, s), "peak": med(peaks, s),
+                 "lo": min(r[s] for r in acts), "hi": max(r[s] for r in acts)}
+             for s in range(stages)}
+    orders = None
+    if FLAGS.trace:
+      _, metadata = runner.run(inputs, trace=True)
+      roles = detect_layers(Graph(graph_def)).role
+      blocks = session_lib.microbatch_blocks(
+          session_lib.op_events(metadata), roles, mesh.with_microbatches(microbatches),
+          result.graph_def)
+      want = get_schedule(schedule)
+      orders = {s: ([b[0] for b in blocks.get(s, [])],
+                    want.order(s, stages, microbatches)) for s in range(stages)}
+    explained = None
+    if FLAGS.explain:
+      dirs = [os.path.join(logdir, f"profile_{schedule}_{microbatches}_{s}")
+              for s in range(stages)]
+      workers.command("reset")
+      workers.command([f"profile {d}" for d in dirs])
+      try:
+        runner.run(inputs)
+      finally:
+        workers.command("endprofile")
+      roles = detect_layers(Graph(graph_def)).role
+      explained = [_explain_stage(d, s, roles, mesh.with_microbatches(microbatches))
+                   for s, d in enumerate(dirs)]
+    print(f"[{label}] {len(result.graph_def.node)} nodes, loss {first:.6f}, "
+          f"{time.time() - t0:.1f}s", flush=True)
+    return {"stats": stats, "loss": first, "partition": result.partition,
+            "orders": orders, "explained": explained}
+  finally:
+    if runner is not None:
+      runner.session.close()
+    workers.stop()
+
+
+def _memory_events(logdir):
+  """Allocator events of a worker's profile: [(time ps, kind, {stat: value})]."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+  paths = [os.path.join(d, f) for d, _, files in os.walk(logdir) for f in files
+           if f.endswith(".xplane.pb")]
+  if not paths:
+    return []
+  space = xplane_pb2.XSpace()
+  with open(paths[0], "rb") as f:
+    space.ParseFromString(f.read())
+  events = []
+  for plane in space.planes:
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+    for line in plane.lines:
+      for e in line.events:
+        kind = names.get(e.metadata_id)
+        if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+          continue
+        stats = {}
+        for st in e.stats:
+          which = st.WhichOneof("value")
+          value = getattr(st, which) if which else None
+          if which == "ref_value":
+            value = stat_names.get(value)
+          stats[stat_names.get(st.metadata_id)] = value
+        events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
+  events.sort(key=lambda x: x[0])
+  return events
+
+
+def _explain_stage(logdir, stage, roles, mesh):
+  """What is alive at the peak of one profiled step on one worker (`stage`).
+
+  Returns a dict: peak bytes in use, the op running at the peak, bytes
+  allocated by ops of other stages (0 if the worker's allocator serves only
+  its own stage's ops), per
+  (F|B|other, micro-batch) the [allocated, requested] bytes alive, the
+  micro-batches whose forward activations are alive, and the largest buffers.
+  Allocated bytes are BFC chunk sizes: a chunk less than twice the request is
+  not split, so a buffer may hold up to twice what its op asked for.
+  """
+  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  events = _memory_events(logdir)
+  if not events:
+    return None
+  allocators = [ev[2].get("allocator_name") for ev in events]
+  allocator = max(set(allocators), key=allocators.count)
+  events = [ev for ev in events if ev[2].get("allocator_name") == allocator]
+  allocs = [i for i, ev in enumerate(events) if ev[1] == "MemoryAllocation"]
+  peak_at = max(allocs, key=lambda i: events[i][2].get("bytes_allocated", 0))
+  live = {}
+  for kind, st in ((ev[1], ev[2]) for ev in events[:peak_at + 1]):
+    if kind == "MemoryAllocation":
+      live[st.get("addr")] = (st.get("allocation_bytes", 0), st.get("requested_bytes", 0),
+                              st.get("tf_op") or "?", st.get("shape", ""))
+    else:
+      live.pop(st.get("addr"), None)
+  groups, foreign = {}, 0
+  for size, requested, op, _ in live.values():
+    origin = session_lib.local_node_origin(op.split(":")[0])
+    key = ("other", -1)
+    if origin is not None and origin[1] < mesh.size:
+      if "pp" in mesh.axes and mesh.coord(origin[1], "pp") != stage:
+        foreign += size
+      role = roles.get(origin[0])
+      j = mesh.coord(origin[1], "mb") if "mb" in mesh.axes else 0
+      key = ({"forward": "F", "backward": "B"}.get(role, "other"), j)
+    total = groups.setdefault(key, [0, 0])
+    total[0] += size
+    total[1] += requested
+  forward = {k[1]: v[1] for k, v in groups.items() if k[0] == "F"}
+  big = max(forward.values(), default=0)
+  return {"peak": events[peak_at][2].get("bytes_allocated", 0),
+          "allocated": sum(v[0] for v in live.values()),
+          "requested": sum(v[1] for v in live.values()),
+          "op": events[peak_at][2].get("tf_op"), "groups": groups, "foreign": foreign,
+          # Micro-batches with forward activations alive (ignoring small
+          # leftovers such as a tensor received from the previous stage).
+          "alive": sorted(j for j, b in forward.items() if b >= 0.25 * big),
+          "top": sorted(live.values(), key=lambda x: -x[0])[:FLAGS.explain_top]}
+
+
+def _print_explained(label, explained):
+  print(f"[{label}] alive at each stage's peak (profiled step; F/B j = buffers "
+        "allocated by forward/backward ops of micro-batch j, requested MiB):")
+  for s, info in enumerate(explained):
+    if info is None:
+      print(f"  stage {s}: no allocator events in the profile")
+      continue
+    print(f"  stage {s}: peak {info['peak'] / _MIB:.2f} MiB in use while running "
+          f"{info['op']}; step buffers alive {info['requested'] / _MIB:.2f} MiB requested "
+          f"in {info['allocated'] / _MIB:.2f} MiB of BFC chunks; forward activations of "
+          f"micro-batches {info['alive']}; {info['foreign'] / _MIB:.2f} MiB from ops of "
+          "other stages")
+    parts = []
+    for kind in ("F", "B", "other"):
+      keys = sorted(k for k in info["groups"] if k[0] == kind)
+      if keys:
+        parts.append(f"{kind} " + " ".join(
+            f"{k[1] if k[1] >= 0 else '-'}:{info['groups'][k][1] / _MIB:.2f}"
+            for k in keys))
+    print("    " + "; ".join(parts))
+    for size, requested, op, shape in info["top"]:
+      print(f"    {size / _MIB:8.3f} MiB chunk ({requested / _MIB:.3f} requested)  {op}  "
+            f"{shape}")
+
+
+def _order_text(seq):
+  return " ".join(f"{k}{j}" for k, j in seq)
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker >= 0:
+    _worker_main(FLAGS.worker, [int(p) for p in FLAGS.ports])
+    return
+  from tfsplit import models  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+
+  s_count, m = FLAGS.stages, FLAGS.microbatches
+  if FLAGS.batch % m:
+    raise app.UsageError(f"--batch {FLAGS.batch} is not divisible by --microbatches {m}")
+
+  def graph_for(batch):
+    ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=batch)
+    names = list(zip(ex.all_variables(), ex.variable_names()))
+    return ex, load_graph(ex.concrete("train"), variable_names=names)
+
+  ex, graph_def = graph_for(FLAGS.batch)
+  print(f"{FLAGS.model}/{FLAGS.size} batch {FLAGS.batch}, S={s_count} stages (one "
+        f"worker process each, loopback gRPC), m={m}; {FLAGS.inter_op_threads} "
+        f"inter-op thread(s) per worker; median of {FLAGS.steps} steps after "
+        f"{FLAGS.warmup} warm-up", flush=True)
+  runs = {}
+  with tempfile.TemporaryDirectory(prefix="bench_pipeline_memory_") as logdir:
+    for schedule in FLAGS.schedules:
+      runs[schedule] = _measure(schedule, ex, graph_def, schedule, m, logdir)
+    ref = None
+    if FLAGS.reference and m > 1:
+      ref_ex, ref_graph = graph_for(FLAGS.batch // m)
+      ref = _measure(f"reference m=1 batch {FLAGS.batch // m}", ref_ex, ref_graph,
+                     FLAGS.schedules[-1], 1, logdir)
+
+  names = list(runs)
+  partition = runs[names[0]]["partition"]
+  gp, ob = runs.get("gpipe"), runs.get("1f1b")
+  explained = FLAGS.explain and all(runs[n]["explained"] for n in names)
+  print()
+  header = f"{'stage':>5} {'layers':<20} {'base MiB':>8}"
+  header += "".join(f" {n + ' MiB':>10}" for n in names)
+  if gp and ob:
+    header += f" {'1f1b/gpipe':>10} {'theory':>6}"
+  if ref and gp:
+    header += f" {'m=1 MiB':>8} {'1 mb MiB':>8}"
+    header += "".join(f" {n + ' held':>10}" for n in names)
+  if explained:
+    header += "".join(f" {n + ' live':>10}" for n in names)
+  header += f" {'bound':>5}"
+  print(header)
+  print("-" * len(header))
+  for s in range(s_count):
+    layers = ",".join(l.split("/")[-1] for l in partition[s])
+    row = f"{s:>5} {layers:<20} {runs[names[0]]['stats'][s]['base'] / _MIB:>8.2f}"
+    row += "".join(f" {runs[n]['stats'][s]['act'] / _MIB:>10.2f}" for n in names)
+    if gp and ob:
+      ratio = ob["stats"][s]["act"] / gp["stats"][s]["act"]
+      row += f" {ratio:>10.3f} {min(s_count - s, m) / m:>6.3f}"
+    if ref and gp:
+      r = ref["stats"][s]["act"]
+      unit = (gp["stats"][s]["act"] - r) / (m - 1)
+      row += f" {r / _MIB:>8.2f} {unit / _MIB:>8.2f}"
+      for n in names:
+        held = 1 + (runs[n]["stats"][s]["act"] - r) / unit if unit > 0 else float("nan")
+        row += f" {held:>10.2f}"
+    if explained:
+      row += "".join(f" {len(runs[n]['explained'][s]['alive']):>10}" for n in names)
+    row += f" {min(s_count - s, m):>5}"
+    print(row)
+  print()
+  for n in names:
+    spread = ", ".join(
+        f"{runs[n]['stats'][s]['lo'] / _MIB:.2f}-{runs[n]['stats'][s]['hi'] / _MIB:.2f}"
+        for s in range(s_count))
+    print(f"{n}: loss {runs[n]['loss']:.6f}; activation MiB min-max per stage: {spread}")
+  if len(names) > 1:
+    losses = [runs[n]["loss"] for n in names]
+    print(f"losses equal: {all(l == losses[0] for l in losses)} "
+          f"(max difference {max(losses) - min(losses):.3g})")
+  if FLAGS.trace:
+    for n in names:
+      for s, (got, want) in runs[n]["orders"].items():
+        status = "matches schedule" if got == want else f"SCHEDULE {_order_text(want)}"
+        print(f"{n} stage {s} block order: {_order_text(got)}  ({status})")
+  if FLAGS.explain:
+    print()
+    for n in names:
+      _print_explained(n, runs[n]["explained"])
+    if ref:
+      _print_explained("reference m=1", ref["explained"])
+  print()
+  print("base = allocator bytes in use on the stage's worker after reset_memory_stats "
+        "(variables, optimizer slots); act = peak - base over one step (activations, "
+        "gradient accumulators, received tensors); theory = min(S - i, m) / m; "
+        "1 mb = one micro-batch's activations on the stage = (gpipe - m=1) / (m - 1); "
+        "held = 1 + (act - m=1) / (1 mb), from allocator totals (BFC chunk sizes, "
+        "so it includes internal fragmentation); live = micro-batches whose forward "
+        "activations are alive at the stage's peak (profiled step); bound = "
+        "min(S - i, m) for 1f1b")
+  if gp and ob:
+    ratio = ob["stats"][0]["act"] / gp["stats"][0]["act"]
+    verdict = "PASS" if ratio <= FLAGS.target else "FAIL"
+    print(f"[{FLAGS.model} {FLAGS.size} b={FLAGS.batch} S={s_count} m={m}] stage 0 "
+          f"activation memory 1f1b/gpipe: {ratio:.3f} (target <= {FLAGS.target}, theory "
+          f"{min(s_count, m) / m:.3f}): {verdict}")
+  if ob and explained:
+    live = [len(ob["explained"][s]["alive"]) for s in range(s_count)]
+    bound = [min(s_count - s, m) for s in range(s_count)]
+    verdict = "PASS" if all(l <= b for l, b in zip(live, bound)) else "FAIL"
+    print(f"[{FLAGS.model} {FLAGS.size} b={FLAGS.batch} S={s_count} m={m}] 1f1b "
+          f"micro-batches alive per stage at its peak: {live} (bound min(S - i, m) = "
+          f"{bound}): {verdict}")
+
+
+if __name__ == "__main__":
+  app.run(main)
