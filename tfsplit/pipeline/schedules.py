@@ -92,8 +92,14 @@ def micro_batch_sets(graph_def, meta, shared, roles, stage_of, mesh, after_updat
     if name in shared or name not in nodes or nodes[name].op in _NOT_SCHEDULED:
       continue
     role = roles.get(original)
-    if role not in ("forward", "backward") or original in after_update:
+    if original in after_update or role not in ("forward", "backward", "update"):
       continue
+    if role == "update":
+      # A per-micro-batch copy of an optimizer op (a sparse embedding update
+      # summing its gradient rows) finishes that micro-batch's backward; in a
+      # block, its running sum is tied down and Grappler cannot merge it into
+      # one AddN that keeps every micro-batch's copy alive.
+      role = "backward"
     key_of[name] = (d, mesh.coord(d, "mb") if "mb" in mesh.axes else 0, role)
   sets = collections.defaultdict(lambda: {"F_in": set(), "F_out": set(),
                                           "B_in": set(), "B_out": set(),
