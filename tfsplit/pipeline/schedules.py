@@ -165,6 +165,12 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
         continue
       for member in sorted(sets.get((dj, j), {}).get(waiting_kind[0], ())):
         node = nodes[member]
+        if node.device != nodes[name].device:
+          # Never order ops of different devices: a collective's members on
+          # two devices could then wait for each other.
+          raise PlanError(
+              f"schedule edge from '{name}' ({nodes[name].device}) to '{member}' "
+              f"({node.device}) would order two devices; this is a bug in tfsplit")
         if "^" + name not in node.input:
           node.input.append("^" + name)
           added += 1
