@@ -78,6 +78,7 @@ class Graph(object):
       self._nodes[node.name] = node
     self._consumers = None  # built lazily: name -> list of (consumer, index)
     self._used_names = None
+    self._order = None      # cached topological order; edits invalidate it
 
   # --- reading ---------------------------------------------------------------
   def __contains__(self, name):
@@ -155,13 +156,19 @@ class Graph(object):
           bad.append((node, text))
     return bad
 
-  @without_gc
   def topological_order(self):
     """Names in an order where every input comes first (Kahn's algorithm).
 
     Ties keep the original node order, so the result is deterministic.
-    Raises GraphValidationError naming a node on a cycle.
+    Raises GraphValidationError naming a node on a cycle. Cached until the
+    graph is edited through this object.
     """
+    if self._order is None:
+      self._order = self._compute_order()
+    return list(self._order)
+
+  @without_gc
+  def _compute_order(self):
     order_index = {name: i for i, name in enumerate(self._nodes)}
     pending = {}
     children = collections.defaultdict(list)
@@ -227,6 +234,7 @@ class Graph(object):
     """Adds a node named `name` (must be free; see unique_name)."""
     if name in self._nodes:
       raise GraphValidationError(f"cannot add node '{name}' (op {op}): the name is taken")
+    self._order = None
     node = self._graph_def.node.add()
     node.name = name
     node.op = op
@@ -252,17 +260,20 @@ class Graph(object):
     return node
 
   def set_inputs(self, name, inputs):
+    self._order = None
     node = self._nodes[name]
     del node.input[:]
     node.input.extend(inputs)
     self._consumers = None
 
   def replace_input(self, name, index, new_text):
+    self._order = None
     self._nodes[name].input[index] = new_text
     self._consumers = None
 
   def rewire(self, old_tensor, new_tensor, exclude=()):
     """Makes every data consumer of `old_tensor` (but `exclude`) read `new_tensor`."""
+    self._order = None
     src, port = parse_input(old_tensor)
     for consumer, index in self.consumers(src, port):
       if consumer not in exclude:
@@ -272,6 +283,7 @@ class Graph(object):
   def remove_nodes(self, names):
     """Removes nodes; callers must have rewired their consumers first."""
     names = set(names)
+    self._order = None
     keep = [n for n in self._graph_def.node if n.name not in names]
     del self._graph_def.node[:]
     self._graph_def.node.extend(keep)
