@@ -48,7 +48,7 @@ def _is_resource(info):
   return info is not None and info.dtype == types_pb2.DT_RESOURCE
 
 
-def propagate(graph, shapes, mesh, variable_specs, input_specs=None):
+def propagate(graph, shapes, mesh, variable_specs, input_specs=None, reduce_hint=()):
   """Propagation of shardings over `graph` (a tfsplit Graph).
 
   A partial sum that one consumer needs whole would otherwise be reduced
@@ -56,8 +56,10 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None):
   carried it on (a LayerNorm's beta gradient next to its input gradient).
   So propagation repeats with such tensors reduced right at their producer
   until nothing changes: each partial sum is then reduced exactly once.
+  reduce_hint: tensors a previous propagation reduced at their producer (a
+  good start; entries that are no longer partial are ignored).
   """
-  reduce_at_source = set()
+  reduce_at_source = set(reduce_hint)
   for _ in range(8):
     prop = _propagate_once(graph, shapes, mesh, variable_specs, input_specs or {},
                            reduce_at_source)

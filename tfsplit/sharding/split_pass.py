@@ -188,8 +188,10 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
     specs[var.node] = Sharding(tuple(dims))
     specs[var.node].local_shape(var.shape, mesh, f"variable '{var.name}'")
 
+  hint = ()
   for _ in range(_MAX_ROUNDS):
-    prop = propagate(graph, shapes, mesh, specs, input_specs)
+    prop = propagate(graph, shapes, mesh, specs, input_specs, hint)
+    hint = set(prop.reduced_at_source)
     inferred = _inferred_specs(graph, prop, variables, explicit)
     changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
     if not changed:
