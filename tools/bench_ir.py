@@ -17,6 +17,9 @@ from absl import flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchlib import best_of  # pylint: disable=wrong-import-position
+from tfsplit.graph import grappler as grappler_lib  # pylint: disable=wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
 flags.DEFINE_string("size", "large", "Example size.")
@@ -53,28 +56,6 @@ def _replicate(graph_def, copies):
         new.input.append(("^" if port < 0 else "") + rename(name, prefix) +
                          (f":{port}" if port > 0 else ""))
   return out
-
-
-def _best(fn, repeats):
-  best, result = None, None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    result = fn()
-    dt = time.perf_counter() - t0
-    best = dt if best is None else min(best, dt)
-  return best, result
-
-
-def _grappler(graph_def):
-  from tensorflow.core.protobuf import config_pb2, meta_graph_pb2  # pylint: disable=import-outside-toplevel
-  from tensorflow.python.grappler import tf_optimizer  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph.ir import Graph  # pylint: disable=import-outside-toplevel
-  graph = Graph(graph_def)
-  metagraph = meta_graph_pb2.MetaGraphDef()
-  metagraph.graph_def.CopyFrom(graph_def)
-  fetch = metagraph.collection_def["train_op"].node_list.value
-  fetch.extend(n.name for n in graph.nodes if not graph.consumers(n.name))
-  return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), metagraph)
 
 
 def _ir_pipeline(path, out_path, with_layers):
@@ -129,7 +110,7 @@ def main(_):
       runs = [_ir_pipeline(path, out_path, FLAGS.layers) for _ in range(FLAGS.repeats)]
       times = {k: min(r[k] for r in runs) for k in runs[0]}
       ir_total = sum(v for k, v in times.items() if k != "layers")
-      grappler, _ = _best(lambda g=graph_def: _grappler(g), FLAGS.repeats)
+      grappler, _ = best_of(lambda g=graph_def: grappler_lib.optimize(g), FLAGS.repeats)
       rows.append((scale, len(graph_def.node), ir_total, grappler))
       print(f"{scale:>5} {len(graph_def.node):>8} {times['load']:>7.3f} "
             f"{times['index']:>7.3f} {times['shapes']:>7.3f} {times['order']:>7.3f} "

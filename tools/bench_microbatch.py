@@ -41,6 +41,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
+from benchlib import allocator_events  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
 flags.DEFINE_string("size", "small", "Example size.")
@@ -99,7 +101,6 @@ def _waits(graph_def):
 def _memory_events(fn, inputs):
   """Allocator events of one profiled call: [(time ps, kind, {stat: value})]."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
   with tempfile.TemporaryDirectory() as logdir:
     options = tf.profiler.experimental.ProfilerOptions(
         host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
@@ -108,30 +109,7 @@ def _memory_events(fn, inputs):
       float(fn(*inputs))
     finally:
       tf.profiler.experimental.stop()
-    paths = [os.path.join(d, f) for d, _, files in os.walk(logdir) for f in files
-             if f.endswith(".xplane.pb")]
-    space = xplane_pb2.XSpace()
-    with open(paths[0], "rb") as f:
-      space.ParseFromString(f.read())
-  events = []
-  for plane in space.planes:
-    names = {k: v.name for k, v in plane.event_metadata.items()}
-    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
-    for line in plane.lines:
-      for e in line.events:
-        kind = names.get(e.metadata_id)
-        if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-          continue
-        stats = {}
-        for s in e.stats:
-          which = s.WhichOneof("value")
-          value = getattr(s, which) if which else None
-          if which == "ref_value":
-            value = stat_names.get(value)
-          stats[stat_names.get(s.metadata_id)] = value
-        events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
-  events.sort(key=lambda x: x[0])
-  return events
+    return allocator_events(logdir)
 
 
 def _explain(fn, inputs, top):

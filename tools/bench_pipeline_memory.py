@@ -65,6 +65,8 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
 
+from benchlib import allocator_events  # pylint: disable=g-import-not-at-top,wrong-import-position
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
 flags.DEFINE_string("size", "small", "Example size.")
@@ -326,36 +328,6 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
     workers.stop()
 
 
-def _memory_events(logdir):
-  """Allocator events of a worker's profile: [(time ps, kind, {stat: value})]."""
-  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
-  paths = [os.path.join(d, f) for d, _, files in os.walk(logdir) for f in files
-           if f.endswith(".xplane.pb")]
-  if not paths:
-    return []
-  space = xplane_pb2.XSpace()
-  with open(paths[0], "rb") as f:
-    space.ParseFromString(f.read())
-  events = []
-  for plane in space.planes:
-    names = {k: v.name for k, v in plane.event_metadata.items()}
-    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
-    for line in plane.lines:
-      for e in line.events:
-        kind = names.get(e.metadata_id)
-        if kind not in ("MemoryAllocation", "MemoryDeallocation"):
-          continue
-        stats = {}
-        for st in e.stats:
-          which = st.WhichOneof("value")
-          value = getattr(st, which) if which else None
-          if which == "ref_value":
-            value = stat_names.get(value)
-          stats[stat_names.get(st.metadata_id)] = value
-        events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
-  events.sort(key=lambda x: x[0])
-  return events
-
 
 def _explain_stage(logdir, stage, roles, mesh):
   """What is alive at the peak of one profiled step on one worker (`stage`).
@@ -369,7 +341,7 @@ def _explain_stage(logdir, stage, roles, mesh):
   not split, so a buffer may hold up to twice what its op asked for.
   """
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
-  events = _memory_events(logdir)
+  events = allocator_events(logdir)
   if not events:
     return None
   allocators = [ev[2].get("allocator_name") for ev in events]

@@ -28,6 +28,9 @@ from absl import logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+from benchlib import best_of  # pylint: disable=wrong-import-position
+from tfsplit.graph import grappler as grappler_lib  # pylint: disable=wrong-import-position
+
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
   sys.path.insert(0, _ROOT)
@@ -44,16 +47,6 @@ flags.DEFINE_integer("profile_top", 25, "Profile rows to print (by cumulative ti
 flags.DEFINE_boolean("detail", False, "Print all-reduces grouped by tensor name.")
 
 _FLOAT_BYTES = 4
-
-
-def _best(fn, repeats):
-  best, result = None, None
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    result = fn()
-    dt = time.perf_counter() - t0
-    best = dt if best is None else min(best, dt)
-  return best, result
 
 
 class _GcClock(object):
@@ -93,18 +86,6 @@ def _best_split(split_graph, graph_def, mesh, repeats):
   return best
 
 
-def _grappler(graph_def):
-  from tensorflow.core.protobuf import config_pb2, meta_graph_pb2  # pylint: disable=import-outside-toplevel
-  from tensorflow.python.grappler import tf_optimizer  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph.ir import Graph  # pylint: disable=import-outside-toplevel
-  graph = Graph(graph_def)
-  metagraph = meta_graph_pb2.MetaGraphDef()
-  metagraph.graph_def.CopyFrom(graph_def)
-  fetch = metagraph.collection_def["train_op"].node_list.value
-  fetch.extend(n.name for n in graph.nodes if not graph.consumers(n.name))
-  return tf_optimizer.OptimizeGraph(config_pb2.ConfigProto(), metagraph)
-
-
 def _collective_dtypes(graph_def):
   """Counter of the T attr of the collective ops in `graph_def`."""
   from tensorflow.python.framework import dtypes  # pylint: disable=import-outside-toplevel
@@ -137,7 +118,7 @@ def main(argv):
         f"heads={cfg.heads} vocab={cfg.vocab} (built and traced in "
         f"{time.perf_counter() - t0:.1f} s)")
 
-  grappler, _ = _best(lambda: _grappler(graph_def), FLAGS.repeats)
+  grappler, _ = best_of(lambda: grappler_lib.optimize(graph_def), FLAGS.repeats)
   print(f"Grappler OptimizeGraph on the original graph: {grappler:.3f} s "
         f"(best of {FLAGS.repeats})")
   optimum = 4 * cfg.batch * cfg.seq * cfg.hidden * _FLOAT_BYTES
@@ -157,7 +138,7 @@ def main(argv):
     out = result.graph_def
     grappler_out = float("nan")
     if FLAGS.grappler_rewritten:
-      grappler_out, _ = _best(lambda g=out: _grappler(g), FLAGS.repeats)
+      grappler_out, _ = best_of(lambda g=out: grappler_lib.optimize(g), FLAGS.repeats)
     reduces = [c for c in result.collectives if c.kind == "all_reduce"]
     gathers = [c for c in result.collectives if c.kind == "all_gather"]
     ar_bytes = sum(c.num_elements for c in reduces) * _FLOAT_BYTES

@@ -15,7 +15,6 @@ from typing import Optional, Tuple
 from absl import logging
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
-from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import tensor_shape
@@ -23,6 +22,7 @@ from tensorflow.python.grappler import item as grappler_item
 
 from tfsplit.errors import GraphValidationError
 from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.grappler import metagraph_fetching_sinks
 from tfsplit.graph.ir import Graph, parse_input, without_gc
 
 
@@ -125,13 +125,8 @@ def _inference_copy(graph, var_shapes):
 
 
 def _run_inference(graph, var_shapes):
-  graph_def = _inference_copy(graph, var_shapes)
-  metagraph = meta_graph_pb2.MetaGraphDef()
-  metagraph.graph_def.CopyFrom(graph_def)
-  # Fetch every sink so nothing is pruned from the item.
-  sinks = [n.name for n in graph.nodes if not graph.consumers(n.name)]
-  fetch = metagraph.collection_def["train_op"].node_list.value
-  fetch.extend(sinks or graph.node_names())
+  # The copy's extra nodes all have consumers: its sinks are the graph's.
+  metagraph = metagraph_fetching_sinks(_inference_copy(graph, var_shapes), graph)
   try:
     item = grappler_item.Item(metagraph, ignore_colocation=True,
                               ignore_user_placement=True)

@@ -183,20 +183,26 @@ def _slice_like(ctx, begin, size_or_end, is_end):
   return req, Sharding(tuple(dims), spec.partial)
 
 
-@register("Slice")
-def slice_(ctx):
-  begin, size = _const_int(ctx, 1), _const_int(ctx, 2)
-  req, out = _slice_like(ctx, begin, size, False)
-
+def _local_extent(extent, out):
+  """localize: input 2 (Slice's size, StridedSlice's end) with each split
+  dimension's global extent replaced by the local size (only whole-dimension
+  slices keep a split, so they start at 0)."""
   def localize(lctx):
-    if size is None:
+    if extent is None:
       return
-    local = list(size)
+    local = list(extent)
     for i, axis in enumerate(out.dims):
       if axis is not None:
         local[i] = lctx.local_out_shape(0)[i]
     lctx.const_input(2, np.asarray(local, lctx.input_dtype(2)))
-  return Decision(req, [out], localize=localize)
+  return localize
+
+
+@register("Slice")
+def slice_(ctx):
+  begin, size = _const_int(ctx, 1), _const_int(ctx, 2)
+  req, out = _slice_like(ctx, begin, size, False)
+  return Decision(req, [out], localize=_local_extent(size, out))
 
 
 @register("StridedSlice")
@@ -215,14 +221,7 @@ def strided_slice(ctx):
   b = [0 if attrs["begin_mask"].i >> i & 1 else begin[i] for i in range(len(begin))]
   e = [shape[i] if attrs["end_mask"].i >> i & 1 else end[i] for i in range(len(end))]
   req, out = _slice_like(ctx, b, e, True)
-
-  def localize(lctx):
-    local = list(end)
-    for i, axis in enumerate(out.dims):
-      if axis is not None:
-        local[i] = lctx.local_out_shape(0)[i]
-    lctx.const_input(2, np.asarray(local, lctx.input_dtype(2)))
-  return Decision(req, [out], localize=localize)
+  return Decision(req, [out], localize=_local_extent(end, out))
 
 
 @register("Tile")

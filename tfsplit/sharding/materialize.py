@@ -274,10 +274,10 @@ class Materializer(object):
     self.reshards[key] = current
     return current
 
-  def _instance(self, keys, current, d):
+  def _instance(self, keys, current, d, axis):
     """Instance key of this collective for device d: one per distinct set of
     inputs (copies serving different micro-batches run separate instances)."""
-    members = tuple(current[m] for m in self.mesh.group_of(d, self._axis)[1])
+    members = tuple(current[m] for m in self.mesh.group_of(d, axis)[1])
     if members not in keys:
       self.instance_key += 1
       keys[members] = self.instance_key
@@ -301,22 +301,26 @@ class Materializer(object):
       return out[r]
     return None
 
+  def _collective_inputs(self, x, base, axis, d, keys, current):
+    """[x, group_size, group_key, instance_key] for device d's member."""
+    group_key, members = self._group_key(axis, d)
+    device = self.mesh.devices[d]
+    return [x,
+            self._int_const(base + "/group_size", len(members), device),
+            self._int_const(base + "/group_key", group_key, device),
+            self._int_const(base + "/instance_key",
+                            self._instance(keys, current, d, axis), device)]
+
   def _all_reduce(self, current, info, axis, src, port, consumer):
-    self._axis = axis
     keys, out = {}, [None] * self.mesh.size
     for d in self._ids:
       shared = self._shared(current, out, d)
       if shared is not None:
         out[d] = shared
         continue
-      group_key, members = self._group_key(axis, d)
       device = self.mesh.devices[d]
       base = f"{src}/port_{port}/all_reduce_{_safe(axis)}/shard_{d}"
-      inputs = [current[d],
-                self._int_const(base + "/group_size", len(members), device),
-                self._int_const(base + "/group_key", group_key, device),
-                self._int_const(base + "/instance_key", self._instance(keys, current, d),
-                                device)]
+      inputs = self._collective_inputs(current[d], base, axis, d, keys, current)
       node = collective_node("CollectiveReduceV2", self.unique(base), device, inputs,
                              info.dtype, self.timeout)
       self.add(node, src, d)
@@ -328,7 +332,6 @@ class Materializer(object):
 
   def _all_gather(self, current, info, spec, dim, axis, src, port, consumer):
     """Gathers dimension `dim` (CollectiveGatherV2 concatenates along dim 0)."""
-    self._axis = axis
     keys = {}
     logging.info("all-gather of %s:%d dim %d over %s for '%s'", src, port, dim, axis,
                  consumer)
@@ -341,17 +344,12 @@ class Materializer(object):
       if shared is not None:
         out[d] = shared
         continue
-      group_key, members = self._group_key(axis, d)
       device = self.mesh.devices[d]
       base = f"{src}/port_{port}/all_gather_{_safe(axis)}_dim{dim}/shard_{d}"
       x = current[d]
       if dim != 0:
         x = self._transpose(x, perm, base + "/to_front", device, info.dtype)
-      inputs = [x,
-                self._int_const(base + "/group_size", len(members), device),
-                self._int_const(base + "/group_key", group_key, device),
-                self._int_const(base + "/instance_key", self._instance(keys, current, d),
-                                device)]
+      inputs = self._collective_inputs(x, base, axis, d, keys, current)
       node = collective_node("CollectiveGatherV2", self.unique(base), device, inputs,
                              info.dtype, self.timeout)
       self.add(node)

@@ -1,0 +1,27 @@
+"""TF's Grappler on a GraphDef: the item it sees, and a full optimization.
+
+Grappler prunes what its fetch nodes do not need; every sink is fetched so
+the whole graph stays (shape inference, benchmarks against OptimizeGraph).
+"""
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
+
+from tfsplit.graph.ir import Graph
+
+
+def metagraph_fetching_sinks(graph_def, graph=None):
+  """A MetaGraphDef of `graph_def` whose train_op collection holds every sink."""
+  graph = graph or Graph(graph_def)
+  metagraph = meta_graph_pb2.MetaGraphDef()
+  metagraph.graph_def.CopyFrom(graph_def)
+  sinks = [n.name for n in graph.nodes if not graph.consumers(n.name)]
+  metagraph.collection_def["train_op"].node_list.value.extend(
+      sinks or graph.node_names())
+  return metagraph
+
+
+def optimize(graph_def, config=None):
+  """Grappler's OptimizeGraph (default config unless given) on the whole graph."""
+  from tensorflow.python.grappler import tf_optimizer  # pylint: disable=import-outside-toplevel
+  return tf_optimizer.OptimizeGraph(config or config_pb2.ConfigProto(),
+                                    metagraph_fetching_sinks(graph_def))

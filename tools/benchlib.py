@@ -1,0 +1,47 @@
+"""Small helpers shared by the benchmarks in tools/ (not part of the package)."""
+import os
+import time
+
+
+def best_of(fn, repeats):
+  """(best seconds, last result) of calling fn() `repeats` times."""
+  best, result = None, None
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    result = fn()
+    dt = time.perf_counter() - t0
+    best = dt if best is None else min(best, dt)
+  return best, result
+
+
+def allocator_events(logdir):
+  """Allocator events of a profile written under `logdir` (tf.profiler's
+  xplane.pb): [(time ps, 'MemoryAllocation'|'MemoryDeallocation', {stat: value})]
+  sorted by time; [] when no profile is there."""
+  from tensorflow.tsl.profiler.protobuf import xplane_pb2  # pylint: disable=import-outside-toplevel
+  paths = [os.path.join(d, f) for d, _, files in os.walk(logdir) for f in files
+           if f.endswith(".xplane.pb")]
+  if not paths:
+    return []
+  space = xplane_pb2.XSpace()
+  with open(paths[0], "rb") as f:
+    space.ParseFromString(f.read())
+  events = []
+  for plane in space.planes:
+    names = {k: v.name for k, v in plane.event_metadata.items()}
+    stat_names = {k: v.name for k, v in plane.stat_metadata.items()}
+    for line in plane.lines:
+      for e in line.events:
+        kind = names.get(e.metadata_id)
+        if kind not in ("MemoryAllocation", "MemoryDeallocation"):
+          continue
+        stats = {}
+        for st in e.stats:
+          which = st.WhichOneof("value")
+          value = getattr(st, which) if which else None
+          if which == "ref_value":
+            value = stat_names.get(value)
+          stats[stat_names.get(st.metadata_id)] = value
+        events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
+  events.sort(key=lambda x: x[0])
+  return events
