@@ -25,6 +25,10 @@ class PlanError(TfsplitError):
   """A plan, mesh or device request that does not fit the graph or machine."""
 
 
+class DivergedCopiesError(TfsplitError):
+  """Copies of one replicated tensor disagree across devices."""
+
+
 def node_error(cls, node, problem, fix=None):
   """Builds ``cls`` with a message naming ``node`` (a NodeDef) and its op."""
   msg = f"node '{node.name}' (op {node.op}): {problem}"

@@ -95,7 +95,8 @@ def main(argv):
                        schedule=fv.schedule, layer_ranges=layer_ranges)
   manifest = {"mesh": dict(mesh.axes), "devices": mesh.devices,
               "microbatches": fv.microbatches,
-              "source": os.path.abspath(positional[0]), "variables": result.manifest}
+              "source": os.path.abspath(positional[0]), "variables": result.manifest,
+              "outputs": result.output_copies}
   # Serialize both before writing either, so a failure leaves no output.
   manifest_text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
   save_graph(result.graph_def, fv.output)

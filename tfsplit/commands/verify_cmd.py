@@ -17,6 +17,8 @@ def _define_flags():
   flags.DEFINE_string("manifest", None, "Shard manifest of the rewritten graph (default: "
                       "REWRITTEN without extension + .manifest.json, if present).",
                       flag_values=fv)
+  flags.DEFINE_string("signature", None, "SavedModel signature of ORIGINAL (the one "
+                      "given to tfsplit rewrite --signature).", flag_values=fv)
   flags.DEFINE_integer("steps", 1, "How many times to run (a training step updates "
                        "its variables each time).", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Seed of variable values and inputs.", flag_values=fv)
@@ -38,9 +40,11 @@ def main(argv):
     raise TfsplitError("usage: tfsplit verify ORIGINAL REWRITTEN [--manifest M] [--steps N]")
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import verify as verify_lib  # pylint: disable=import-outside-toplevel
-  original = load_graph(positional[0])
+  # Devices first: loading a SavedModel starts TensorFlow's runtime, after
+  # which the logical devices the rewritten graph needs can no longer be made.
   rewritten = load_graph(positional[1])
   verify_lib.ensure_logical_devices(verify_lib.required_devices(rewritten))
+  original = load_graph(positional[0], signature=fv.signature)
   manifest = fv.manifest
   if manifest is None:
     from tfsplit.commands.rewrite_cmd import manifest_path  # pylint: disable=import-outside-toplevel

@@ -5,6 +5,8 @@ it (size 1) stay replicated there. Partial sums may flow only through inputs
 in which the op is linear: all inputs of a sum (Add, Sub, AddN) together, or
 one input of a product (Mul, the numerator of RealDiv, the dy of ReluGrad).
 """
+import dataclasses
+
 from tfsplit.rules.base import Decision, divisible, register
 from tfsplit.sharding.spec import Sharding
 
@@ -27,7 +29,7 @@ PRODUCTS = {"Mul": None, "MulNoNan": None, "RealDiv": (0,), "Div": (0,),
             "SqrtGrad": (1,), "InvGrad": (1,), "ReciprocalGrad": (1,)}
 NONLINEAR = ("Maximum", "Minimum", "Pow", "SquaredDifference", "Greater",
              "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual",
-             "LogicalAnd", "LogicalOr", "Select", "SelectV2", "FloorMod", "Mod",
+             "LogicalAnd", "LogicalOr", "SelectV2", "FloorMod", "Mod",
              "Atan2", "BiasAddV1")
 
 
@@ -93,6 +95,15 @@ def unary(ctx):
   return broadcast_decision(ctx, ())
 
 
+def _local_shape_attr(lctx):
+  """EnsureShape checks its input against the global shape in its attr; each
+  device checks its block against the block's shape (unknown dims stay)."""
+  local = lctx.local_out_shape(0)
+  for dim, size in zip(lctx.node.attr["shape"].shape.dim, local):
+    if dim.size >= 0:
+      dim.size = size
+
+
 @register(*LINEAR_UNARY)
 def linear_unary(ctx):
   if ctx.node.op == "Cast":
@@ -100,7 +111,10 @@ def linear_unary(ctx):
     src, dst = ctx.node.attr["SrcT"].type, ctx.node.attr["DstT"].type
     if dst not in (1, 2, 19, 14) or src not in (1, 2, 19, 14):
       return broadcast_decision(ctx, ())
-  return broadcast_decision(ctx, "all")
+  decision = broadcast_decision(ctx, "all")
+  if ctx.node.op == "EnsureShape":
+    decision.localize = _local_shape_attr
+  return decision
 
 
 @register(*SUMS)
@@ -116,6 +130,26 @@ def products(ctx):
 @register(*NONLINEAR)
 def nonlinear(ctx):
   return broadcast_decision(ctx, ())
+
+
+@register("Select")
+def select(ctx):
+  """Select(cond, t, e): a rank-1 `cond` with rank-k t/e picks along dimension
+  0 (it does not broadcast against the last dimension): decide as if it had
+  shape [n, 1, ..., 1]."""
+  cond, spec, rank = ctx.in_infos[0], ctx.in_specs[0], ctx.out_rank()
+  if len(cond.shape) != 1 or rank == 1:
+    return broadcast_decision(ctx, ())
+  pad = (1,) * (rank - 1)
+  padded = dataclasses.replace(
+      ctx, in_infos=[dataclasses.replace(cond, shape=tuple(cond.shape) + pad)]
+      + list(ctx.in_infos[1:]),
+      in_specs=[Sharding(spec.dims + (None,) * (rank - 1), spec.partial)]
+      + list(ctx.in_specs[1:]))
+  decision = broadcast_decision(padded, ())
+  req = decision.inputs[0]
+  decision.inputs[0] = Sharding(req.dims[:1], req.partial)
+  return decision
 
 
 @register("ZerosLike", "OnesLike")

@@ -11,6 +11,7 @@ from tfsplit.rules.base import Decision, register
 from tfsplit.sharding.spec import Sharding
 
 LINEAR_REDUCTIONS = ("Sum", "Mean")
+_FLOAT_TYPES = (1, 2, 19, 14, 8, 18)  # float, double, half, bfloat16, complex64/128
 OTHER_REDUCTIONS = ("Max", "Min", "Prod", "All", "Any", "EuclideanNorm", "ArgMax",
                     "ArgMin")
 
@@ -34,7 +35,10 @@ def reduction(ctx):
     return Decision([req, ctx.in_specs[1]], [Sharding.replicated(ctx.out_rank())],
                     fallback="reduction axes are not constant")
   keep = ctx.node.attr["keep_dims"].b if op not in ("ArgMax", "ArgMin") else False
-  linear = op in LINEAR_REDUCTIONS
+  # An integer Mean truncates: neither a local mean of a block nor a mean of a
+  # partial sum adds up to the global mean.
+  linear = op in LINEAR_REDUCTIONS and not (
+      op == "Mean" and ctx.node.attr["T"].type not in _FLOAT_TYPES)
   in_dims = list(spec.dims)
   partial = set(spec.partial) if linear else set()
   scaled = 1

@@ -258,7 +258,8 @@ def fill(ctx):
 
 @register("Const", "Placeholder", "PlaceholderWithDefault", "Range", "NoOp")
 def source(ctx):
-  ins = [None if s is None else s.without_partial() for s in ctx.in_specs]
+  # Outputs are replicated, so inputs (PlaceholderWithDefault's default) must be.
+  ins = [None if s is None else Sharding.replicated(s.rank) for s in ctx.in_specs]
   outs = [Sharding.replicated(len(o.shape)) if o is not None and o.shape is not None
           else None for o in ctx.out_infos]
   return Decision(ins, outs)

@@ -27,13 +27,20 @@ def resource_gather(ctx):
         f"node '{ctx.node.name}' (op ResourceGather): the embedding table is split "
         "along its vocabulary (dimension 0), which a gather cannot read locally; "
         "split it along the hidden dimension or leave it replicated")
-  indices = ctx.in_specs[1].without_partial()
+  indices = _indices_spec(ctx.in_specs[1], var.dims[1:])
   return Decision([None, indices], [Sharding(indices.dims + var.dims[1:])])
+
+
+def _indices_spec(indices, taken):
+  """Indices without partial sums and without splits over an axis that already
+  splits the (non-gathered) params dimensions (one axis, one dimension)."""
+  taken = {a for a in taken if a is not None}
+  return Sharding(tuple(None if a in taken else a for a in indices.dims))
 
 
 @register("GatherV2")
 def gather_v2(ctx):
-  params, indices = ctx.in_specs[0], ctx.in_specs[1].without_partial()
+  params, indices = ctx.in_specs[0], ctx.in_specs[1]
   axis_value = ctx.const_inputs[2]
   batch_dims = ctx.node.attr["batch_dims"].i
   if axis_value is None or batch_dims:
@@ -43,6 +50,7 @@ def gather_v2(ctx):
   axis = int(axis_value) % params.rank
   p_dims = list(params.dims)
   p_dims[axis] = None
+  indices = _indices_spec(indices, p_dims + list(params.partial))
   out = p_dims[:axis] + list(indices.dims) + p_dims[axis + 1:]
   return Decision([Sharding(tuple(p_dims), params.partial), indices, ctx.in_specs[2]],
                   [Sharding(tuple(out), params.partial)])

@@ -10,16 +10,28 @@ import json
 import numpy as np
 import tensorflow as tf
 
-from tfsplit.errors import TfsplitError
+from tfsplit.errors import DivergedCopiesError, TfsplitError
+from tfsplit.runtime import compare as compare_lib
 
 
-def load_manifest(path):
+def read_manifest(path):
+  """The whole manifest file: {"variables": {...}, "outputs": {...}, ...}."""
   try:
     with open(path, encoding="utf-8") as f:
       data = json.load(f)
   except (OSError, ValueError) as e:
     raise TfsplitError(f"{path}: cannot read the shard manifest ({e})") from None
-  return data.get("variables", data)
+  if not isinstance(data, dict) or not isinstance(data.get("variables", data), dict):
+    raise TfsplitError(f"{path}: not a shard manifest (no 'variables' mapping); give the "
+                       "'.manifest.json' written by tfsplit rewrite")
+  if "variables" not in data:  # a bare {variable: entry} mapping
+    data = {"variables": data}
+  return data
+
+
+def load_manifest(path):
+  """{variable: shard entry} from a manifest file."""
+  return read_manifest(path)["variables"]
 
 
 def _slices(shard):
@@ -42,17 +54,30 @@ def shard_values(manifest, full_values):
   return out
 
 
-def full_values(manifest, shard_values_by_name):
+def full_values(manifest, shard_values_by_name, rtol=compare_lib.DEFAULT_RTOL):
   """{variable name: full numpy value} assembled from shard values.
 
-  Replicated shards must agree; the first device's copy is used.
+  Every copy of a block (data-parallel replicas, tensor-parallel replicated
+  variables) must agree with the first within `rtol` of the block's scale;
+  a divergent copy raises DivergedCopiesError naming the variable and devices.
   """
   out = {}
   for name, entry in manifest.items():
     first = np.asarray(shard_values_by_name[entry["shards"][0]["name"]])
     full = np.zeros(entry["shape"], first.dtype)
+    blocks = {}
     for shard in entry["shards"]:
-      full[_slices(shard)] = np.asarray(shard_values_by_name[shard["name"]])
+      value = np.asarray(shard_values_by_name[shard["name"]])
+      blocks.setdefault(tuple(shard["offsets"]), []).append((shard["device"], value))
+      full[_slices(shard)] = value
+    for copies in blocks.values():
+      for c in compare_lib.compare_copies(name, copies, rtol):
+        if not c.ok:
+          raise DivergedCopiesError(
+              f"variable '{c.what}': the copies differ by {c.max_abs:.3e} "
+              f"({c.rel:.3e} of its scale{', ' + c.note if c.note else ''}); the split "
+              "graph does not keep its replicas in step, which is a tfsplit bug: please "
+              "report it with the graph and mesh")
     out[name] = full
   return out
 

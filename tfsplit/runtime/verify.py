@@ -2,13 +2,13 @@
 
 Both graphs get the same seeded variable values (the rewritten one as shards,
 through its manifest) and the same seeded inputs; they run `steps` times (a
-training step updates its variables each time) and every output, and every
-variable afterwards, is compared. Errors are relative to the tensor's scale
-(at least 1, since optimizers move every weight by about the learning rate).
+training step updates its variables each time). Every output (every device's
+copy of it), every shard of every variable, and every variable's update are
+compared by `tfsplit.runtime.compare`; the original runs a second time on the
+batch in reverse order to measure its own rounding noise.
 """
-import dataclasses
+import collections
 import re
-from typing import List
 
 import numpy as np
 import tensorflow as tf
@@ -16,60 +16,13 @@ import tensorflow as tf
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import Graph, find_variables, load_graph
 from tfsplit.graph.layers import graph_outputs
+from tfsplit.runtime import compare as compare_lib
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import graph_inputs, import_graph
 
 _GATHERS = ("ResourceGather", "GatherV2", "Gather")
 
-
-@dataclasses.dataclass
-class Comparison:
-  what: str
-  max_abs: float
-  max_rel: float
-
-
-@dataclasses.dataclass
-class VerifyReport:
-  comparisons: List[Comparison]
-  rtol: float
-
-  @property
-  def ok(self):
-    return all(c.max_rel <= self.rtol for c in self.comparisons)
-
-  @property
-  def worst(self):
-    return max(self.comparisons, key=lambda c: c.max_rel)
-
-  def table(self, show_all=False, worst=10):
-    """Outputs, then the `worst` variables (all with show_all)."""
-    outputs = [c for c in self.comparisons if not c.what.startswith("variable ")]
-    variables = [c for c in self.comparisons if c.what.startswith("variable ")]
-    shown = variables if show_all else sorted(
-        variables, key=lambda c: -c.max_rel)[:worst]
-    lines = [f"{'compared':60s} {'max abs err':>12s} {'max rel err':>12s}"]
-    if variables and not show_all and len(variables) > worst:
-      lines[0] += f"   ({len(variables)} variables, {worst} worst shown)"
-    for c in outputs + shown:
-      flag = "" if c.max_rel <= self.rtol else "  MISMATCH"
-      lines.append(f"{c.what[:60]:60s} {c.max_abs:12.3e} {c.max_rel:12.3e}{flag}")
-    verdict = "OK" if self.ok else "MISMATCH"
-    lines.append(f"{verdict}: worst relative error {self.worst.max_rel:.3e} "
-                 f"({self.worst.what}), tolerance {self.rtol:g}")
-    return "\n".join(lines)
-
-
-def _compare(what, got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  if got.shape != want.shape:
-    raise TfsplitError(f"{what}: shapes differ ({list(got.shape)} vs {list(want.shape)})")
-  if not want.size:
-    return Comparison(what, 0.0, 0.0)
-  diff = np.abs(got - want)
-  if np.isnan(diff).any():
-    return Comparison(what, float("nan"), float("inf"))
-  return Comparison(what, float(diff.max()), float(diff.max() / max(np.abs(want).max(), 1.0)))
+VerifyReport = compare_lib.Report
 
 
 def seeded_variable_values(graph, seed=0):
@@ -131,44 +84,105 @@ def _device_count(graph_def):
   return max(ids) + 1 if ids else 1
 
 
-def verify(original, rewritten, manifest=None, steps=1, seed=0, rtol=1e-4, int_max=None):
-  """VerifyReport comparing `rewritten` against `original` (GraphDefs or paths).
+def batch_size_of(inputs):
+  """The most common leading dimension of the (rank >= 1) inputs, or None."""
+  sizes = collections.Counter(np.shape(x)[0] for x in inputs if np.ndim(x) >= 1)
+  return sizes.most_common(1)[0][0] if sizes else None
 
-  manifest: the rewritten graph's shard manifest (dict or JSON path); None if
-  its variables are the original's.
+
+def reverse_batch(values, batch):
+  """Every value whose leading dimension is the batch, in reverse batch order."""
+  return [np.asarray(x)[::-1].copy() if batch and np.ndim(x) >= 1 and
+          np.shape(x)[0] == batch else x for x in values]
+
+
+def short_device(device):
+  """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'CPU:1'."""
+  return device.rsplit("device:", 1)[-1] if device else device
+
+
+def _run(graph_def, variables, inputs, steps, outputs=None):
+  """[(outputs, {variable: value})] after each of `steps` runs."""
+  fn = import_graph(graph_def, variables, outputs=outputs)
+  tensors = [tf.constant(x) for x in inputs]
+  out = []
+  for _ in range(steps):
+    results = [o.numpy() for o in fn(*tensors)]
+    out.append((results, {k: v.numpy() for k, v in variables.items()}))
+  return out
+
+
+def verify(original, rewritten, manifest=None, steps=1, seed=0,
+           rtol=compare_lib.DEFAULT_RTOL, int_max=None, every_step=False):
+  """compare.Report of `rewritten` against `original` (GraphDefs or paths).
+
+  manifest: the rewritten graph's shard manifest (a path, the manifest dict
+  `tfsplit rewrite` writes, or {variable: shard entry}); None if its variables
+  are the original's.
+  every_step: compare the variables after every step, not only the last
+  (their comparisons are labelled 'after step k').
   """
   original = load_graph(original) if not hasattr(original, "node") else original
   rewritten = load_graph(rewritten) if not hasattr(rewritten, "node") else rewritten
   if isinstance(manifest, str):
-    manifest = shards_lib.load_manifest(manifest)
+    manifest = shards_lib.read_manifest(manifest)
+  output_copies, devices = {}, []
+  if manifest is not None and isinstance(manifest.get("variables"), dict):
+    output_copies = manifest.get("outputs") or {}
+    devices = manifest.get("devices") or []
+    manifest = manifest["variables"]
   original_graph = Graph(original)
   values = seeded_variable_values(original_graph, seed)
-  inputs = [tf.constant(x) for x in seeded_inputs(original_graph, seed, int_max)]
+  inputs = seeded_inputs(original_graph, seed, int_max)
   outputs = graph_outputs(original_graph)
 
-  def make_vars(named_values):
+  def fresh(named_values):
     return {k: tf.Variable(v) for k, v in named_values.items()}
 
-  ref_vars = make_vars(values)
-  ref_fn = import_graph(original, ref_vars)
+  want = _run(original, fresh(values), inputs, steps)
+  # The reference again, batch reversed: its own rounding noise per tensor.
+  batch = batch_size_of(inputs)
+  alt = [(reverse_batch(o, batch), v) for o, v in
+         _run(original, fresh(values), reverse_batch(inputs, batch), steps)]
+  pairs = [(w_vars[k], a_vars[k]) for (_, w_vars), (_, a_vars) in zip(want, alt)
+           for k in w_vars]
+  pairs += [(w, a) for (ws, _), (as_, _) in zip(want, alt) for w, a in zip(ws, as_)]
+  use_noise = batch is not None and compare_lib.typical_noise_is_small(pairs)
+  if not use_noise:
+    alt = [([None] * len(outputs), None)] * steps
+
+  new_vars = (shards_lib.create_shard_variables(manifest, values) if manifest is not None
+              else fresh(values))
+  copies = [(name, d, tensor) for name in outputs for d, tensor in output_copies.get(name, [])]
+  got = _run(rewritten, new_vars, inputs, steps, outputs + [t for _, _, t in copies])
   if manifest is not None:
-    new_vars = shards_lib.create_shard_variables(manifest, values)
-  else:
-    new_vars = make_vars(values)
-  new_fn = import_graph(rewritten, new_vars)
+    manifest = {name: dict(entry, shards=[dict(s, device=short_device(s["device"]))
+                                          for s in entry["shards"]])
+                for name, entry in manifest.items()}
+
+  def device_label(d):
+    return short_device(devices[d]) if d < len(devices) else f"device {d}"
+
   comparisons = []
-  for step in range(steps):
-    want = ref_fn(*inputs)
-    got = new_fn(*inputs)
-    for name, w, g in zip(outputs, want, got):
-      comparisons.append(_compare(f"step {step + 1} output {name}", g.numpy(), w.numpy()))
-  if manifest is not None:
-    got_values = shards_lib.full_values(manifest, {k: v.numpy() for k, v in new_vars.items()})
-  else:
-    got_values = {k: v.numpy() for k, v in new_vars.items()}
-  for name, var in ref_vars.items():
-    comparisons.append(_compare(f"variable {name}", got_values[name], var.numpy()))
-  return VerifyReport(comparisons, rtol)
+  for step, ((w_out, w_vars), (a_out, a_vars), (g_out, g_vars)) in enumerate(
+      zip(want, alt, got)):
+    for k, name in enumerate(outputs):
+      noise_abs = compare_lib.noise(w_out[k], a_out[k])
+      what = f"step {step + 1} {name}"
+      comparisons.append(compare_lib.compare("output", what, g_out[k], w_out[k], rtol,
+                                             noise_abs))
+      mine = [(device_label(d), g_out[len(outputs) + j])
+              for j, (o, d, _) in enumerate(copies) if o == name]
+      comparisons.extend(compare_lib.compare("output", f"{what} on {dev}", v, w_out[k], rtol,
+                                             noise_abs) for dev, v in mine)
+      comparisons.extend(compare_lib.compare_copies(what, mine, rtol, noise_abs))
+    if every_step or step == steps - 1:
+      found = compare_lib.compare_variables(manifest, values, w_vars, g_vars, a_vars, rtol)
+      if every_step:
+        for c in found:
+          c.what = f"after step {step + 1}: {c.what}"
+      comparisons.extend(found)
+  return compare_lib.Report(comparisons, rtol, use_noise)
 
 
 def ensure_logical_devices(count, kind="CPU"):

@@ -36,9 +36,12 @@ class SplitResult:
   collectives: list
   fallbacks: List[str]
   variable_specs: Dict[str, tuple]   # variable name -> dims
+  # output -> [[device id, local tensor name]]: every device's whole copy
+  output_copies: Dict[str, list] = dataclasses.field(default_factory=dict)
 
   def manifest_json(self):
-    return json.dumps({"variables": self.manifest}, indent=1, sort_keys=True)
+    return json.dumps({"variables": self.manifest, "outputs": self.output_copies},
+                      indent=1, sort_keys=True)
 
   def count(self, kind, axis=None):
     return sum(1 for c in self.collectives
@@ -227,7 +230,8 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                "%d fallbacks", mesh, len(var_specs), sum(c.kind == "all_reduce" for c in
                                                          mat.collectives),
                sum(c.kind == "all_gather" for c in mat.collectives), len(prop.fallbacks))
-  result = SplitResult(out, mat.manifest, mat.collectives, prop.fallbacks, var_specs)
+  result = SplitResult(out, mat.manifest, mat.collectives, prop.fallbacks, var_specs,
+                       mat.output_copies)
   result.partition = partition
   result.stage_of = stage_of
   return result

@@ -1,0 +1,261 @@
+"""The one comparison of a split run against the original.
+
+Used by `tfsplit verify`, the tests and the benchmarks. Per tensor it checks:
+
+- **values**: max|got - want| against `rtol` times the tensor's own scale
+  (max|want|), never against 1: a weight of size 1e-3 gets a 1e-7 absolute
+  limit, not 1e-4. The scale has a floor tied to the dtype's precision (its
+  smallest normal number), so a tensor that must stay zero stays zero.
+- **updates** (variables of a training step): the same difference measured
+  against the largest update of that tensor, max|want_after - start|. Adam
+  normalises its step, so a gradient summed where it should be averaged, or a
+  10% wrong step on one shard, moves a weight by far less than its size but
+  by 10% of its update.
+- **every copy**: each device's shard of a variable (data-parallel replicas,
+  tensor-parallel replicated tensors) and each device's copy of an output is
+  compared against the reference, and the copies against each other, so one
+  replica that never trains cannot hide behind another that does.
+- **shapes** must match.
+
+Rounding noise: a split graph sums in another order than the original, and a
+few tensors are pure rounding noise (an attention key bias has an identically
+zero gradient, so Adam moves it by noise). The reference is therefore run a
+second time on the batch in reverse order, which changes every reduction order
+over the batch but not the mathematics; the difference between the two
+reference runs is that tensor's noise, and `NOISE_FACTOR` times it is added to
+its tolerance. Breaks worth catching are orders of magnitude above it.
+"""
+import dataclasses
+from typing import Dict, List, Optional
+
+import numpy as np
+
+DEFAULT_RTOL = 1e-4
+# How many times the reference's own rounding noise a split run may differ by.
+NOISE_FACTOR = 10.0
+# The reversed-batch reference only estimates noise if the graph is
+# batch-order invariant: its typical tensor must then agree to about float
+# precision. A graph whose results depend on batch order gets no noise term.
+_MAX_TYPICAL_NOISE = 1e-4
+
+KINDS = ("output", "value", "update", "copy")
+
+
+def _floor(dtype):
+  dtype = np.dtype(dtype)
+  if np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating):
+    return float(np.finfo(dtype).tiny)
+  return 0.0
+
+
+def _exact(dtype):
+  dtype = np.dtype(dtype)
+  return not (np.issubdtype(dtype, np.floating) or np.issubdtype(dtype, np.complexfloating))
+
+
+@dataclasses.dataclass
+class Comparison:
+  """One tensor compared: `max_abs` against `tolerance` (both absolute)."""
+  kind: str          # output / value / update / copy
+  what: str          # the tensor, and the device of the copy when it is one
+  max_abs: float
+  scale: float       # what the error is relative to
+  tolerance: float
+  note: str = ""
+
+  @property
+  def rel(self):
+    if self.max_abs == 0:
+      return 0.0
+    if not np.isfinite(self.max_abs) or self.scale <= 0:
+      return float("inf")
+    return self.max_abs / self.scale
+
+  @property
+  def ok(self):
+    return bool(np.isfinite(self.max_abs) and self.max_abs <= self.tolerance)
+
+
+def noise(want, alternative):
+  """max|want - alternative|, the reference's rounding noise (0 if unknown)."""
+  if alternative is None:
+    return 0.0
+  want, alternative = np.asarray(want), np.asarray(alternative)
+  if want.shape != alternative.shape or not want.size or _exact(want.dtype):
+    return 0.0
+  diff = np.abs(want.astype(np.float64) - alternative.astype(np.float64))
+  return float(diff.max()) if np.isfinite(diff).all() else 0.0
+
+
+def compare(kind, what, got, want, rtol=DEFAULT_RTOL, noise_abs=0.0, scale=None, note=""):
+  """Comparison of `got` with `want` (numpy-like). `scale` defaults to max|want|."""
+  got, want = np.asarray(got), np.asarray(want)
+  if got.shape != want.shape:
+    return Comparison(kind, what, float("inf"), 0.0, 0.0,
+                      f"shape {list(got.shape)}, expected {list(want.shape)}")
+  if not want.size:
+    return Comparison(kind, what, 0.0, 0.0, 0.0, note)
+  if _exact(want.dtype):
+    diff = float(np.max(got != want))
+    return Comparison(kind, what, diff, 1.0, 0.0, note or "exact")
+  g, w = got.astype(np.float64), want.astype(np.float64)
+  diff = np.abs(g - w)
+  max_abs = float(diff.max()) if not np.isnan(diff).any() else float("nan")
+  if scale is None:
+    scale = float(np.abs(w).max())
+  scale = max(scale, _floor(want.dtype))
+  return Comparison(kind, what, max_abs, scale, rtol * scale + NOISE_FACTOR * noise_abs,
+                    note)
+
+
+def compare_copies(what, copies, rtol=DEFAULT_RTOL, noise_abs=0.0):
+  """Comparisons of every copy after the first with the first.
+
+  copies: [(device, value)] of one tensor (or one block of it) that every
+  device must hold identically.
+  """
+  if len(copies) < 2:
+    return []
+  first_device, first = copies[0]
+  return [compare("copy", f"{what} on {device} vs {first_device}", value, first, rtol,
+                  noise_abs)
+          for device, value in copies[1:]]
+
+
+def typical_noise_is_small(pairs):
+  """True if the reversed-batch reference agrees with the reference on the
+  median tensor (pairs: [(want, alternative)]), i.e. the graph does not depend
+  on batch order and the difference is rounding noise."""
+  rel = []
+  for want, alt in pairs:
+    want = np.asarray(want)
+    if not want.size or _exact(want.dtype):
+      continue
+    scale = float(np.abs(want).max())
+    if scale > 0:
+      rel.append(noise(want, alt) / scale)
+  return bool(rel) and float(np.median(rel)) <= _MAX_TYPICAL_NOISE
+
+
+def _slices(shard):
+  return tuple(slice(o, o + s) for o, s in zip(shard["offsets"], shard["shape"]))
+
+
+def compare_variables(manifest, start, want, shard_values, alternative=None,
+                      rtol=DEFAULT_RTOL):
+  """Comparisons of every shard of every variable with the reference.
+
+  manifest: {variable: {"shape", "shards": [{"name", "device", "offsets",
+    "shape"}]}} (None: variables were not split; shard name = variable name)
+  start / want / alternative: {variable: full value} before the run, after the
+    reference run, and after the reversed-batch reference run (or None).
+  shard_values: {shard name: value} after the split run.
+  """
+  out = []
+  for name in sorted(want):
+    if manifest is not None and name in manifest:
+      entry = manifest[name]
+      shards = [(s["device"], s["name"], _slices(s)) for s in entry["shards"]]
+      full_shape = list(entry["shape"])
+    else:
+      shards = [("", name, ())]
+      full_shape = list(np.shape(want[name]))
+    w = np.asarray(want[name])
+    if list(w.shape) != full_shape:
+      out.append(Comparison("value", name, float("inf"), 0.0, 0.0,
+                            f"shape {full_shape}, expected {list(w.shape)}"))
+      continue
+    s = np.asarray(start[name])
+    alt = None if alternative is None else alternative.get(name)
+    noise_abs = noise(w, alt)
+    update_scale = float(np.abs(w.astype(np.float64) - s.astype(np.float64)).max()) \
+        if w.size and not _exact(w.dtype) else None
+    by_block = {}
+    for device, shard_name, sl in shards:
+      where = f"{name} on {device}" if device else name
+      got = np.asarray(shard_values[shard_name])
+      out.append(compare("value", where, got, w[sl], rtol, noise_abs,
+                         scale=float(np.abs(w).max()) if w.size else None))
+      if update_scale is not None:
+        # got - want == (got - start) - (want - start): the update's error.
+        out.append(compare("update", where, got, w[sl], rtol, noise_abs,
+                           scale=update_scale))
+      by_block.setdefault(tuple((x.start, x.stop) for x in sl), []).append((device, got))
+    for copies in by_block.values():
+      out.extend(compare_copies(name, copies, rtol, noise_abs))
+  return out
+
+
+@dataclasses.dataclass
+class Report:
+  """Every comparison of one run; `ok` if all hold."""
+  comparisons: List[Comparison]
+  rtol: float
+  noise_estimated: bool = False
+
+  @property
+  def ok(self):
+    return all(c.ok for c in self.comparisons)
+
+  @property
+  def failures(self):
+    return [c for c in self.comparisons if not c.ok]
+
+  def worst(self, kind=None):
+    """The comparison nearest to (or furthest past) its tolerance."""
+    pool = [c for c in self.comparisons if kind is None or c.kind == kind]
+    if not pool:
+      return None
+    return max(pool, key=_badness)
+
+  def worst_by_kind(self) -> Dict[str, Optional[Comparison]]:
+    return {k: self.worst(k) for k in KINDS if self.worst(k) is not None}
+
+  def first_divergent_copy(self):
+    return next((c for c in self.comparisons if c.kind == "copy" and not c.ok), None)
+
+  def table(self, show_all=False, worst=10):
+    """Outputs, the worst variable comparisons, one line per kind, the verdict."""
+    header = (f"{'kind':7s} {'compared':62s} {'max abs err':>11s} {'rel err':>10s} "
+              f"{'tolerance':>10s}")
+    lines = [header]
+    rest = [c for c in self.comparisons if c.kind != "output"]
+    shown = [c for c in self.comparisons if c.kind == "output"]
+    shown += rest if show_all else sorted(rest, key=lambda c: -_badness(c))[:worst]
+    for c in shown:
+      flag = "" if c.ok else "  MISMATCH"
+      note = f"  ({c.note})" if c.note and not c.ok else ""
+      lines.append(f"{c.kind:7s} {c.what[-62:]:62s} {c.max_abs:11.3e} {c.rel:10.3e} "
+                   f"{c.tolerance:10.3e}{flag}{note}")
+    for kind, c in self.worst_by_kind().items():
+      lines.append(f"worst {kind:7s}: {c.what} (error {c.rel:.3e} of its scale, "
+                   f"{_badness(c):.3g} of its tolerance)")
+    copy = self.first_divergent_copy()
+    if copy is not None:
+      lines.append(f"first divergent copy: {copy.what}")
+    failures = self.failures
+    noise_note = ("tolerance: rtol {:g} of each tensor's scale + {:g}x the reference's "
+                  "rounding noise".format(self.rtol, NOISE_FACTOR) if self.noise_estimated
+                  else f"tolerance: rtol {self.rtol:g} of each tensor's scale")
+    if failures:
+      lines.append(f"MISMATCH: {len(failures)} of {len(self.comparisons)} comparisons "
+                   f"fail, worst {self.worst().what}; {noise_note}")
+    else:
+      lines.append(f"OK: {len(self.comparisons)} comparisons; {noise_note}")
+    return "\n".join(lines)
+
+  def assert_ok(self, context=""):
+    """For tests: AssertionError listing the failures."""
+    if not self.ok:
+      lines = [f"{c.kind} {c.what}: error {c.max_abs:.3e} > tolerance {c.tolerance:.3e} "
+               f"(scale {c.scale:.3e}) {c.note}" for c in self.failures[:20]]
+      raise AssertionError(f"{context} {len(self.failures)} comparisons fail:\n"
+                           + "\n".join(lines))
+
+
+def _badness(c):
+  if c.ok and c.max_abs == 0:
+    return 0.0
+  if c.tolerance <= 0 or not np.isfinite(c.max_abs):
+    return float("inf")
+  return c.max_abs / c.tolerance
