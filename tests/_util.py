@@ -4,6 +4,8 @@ import tensorflow as tf
 
 import tfsplit
 from tfsplit import models
+from tfsplit.runtime import compare
+from tfsplit.runtime.verify import batch_size_of, reverse_batch
 
 # Collectives fail after this long instead of hanging a test run.
 TIMEOUT = 60.0
@@ -23,30 +25,75 @@ def names(ex):
   return list(zip(ex.all_variables(), ex.variable_names()))
 
 
-def close(got, want, what):
-  """Relative error against the tensor's scale (at least 1: Adam moves every
-  weight by about the learning rate, whatever its size)."""
-  got, want = np.asarray(got), np.asarray(want)
-  err = np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1.0) if want.size else 0
-  assert err <= 1e-4, f"{what}: relative error {err:.2e}"
+def close(got, want, what, rtol=compare.DEFAULT_RTOL):
+  """got == want (same shape) within rtol of want's own scale."""
+  c = compare.compare("value", what, got, want, rtol)
+  assert c.ok, (f"{what}: error {c.max_abs:.3e} > tolerance {c.tolerance:.3e} "
+                f"(scale {c.scale:.3e}) {c.note}")
+
+
+def _train(ex, inputs, steps):
+  """[loss per step], {name: value after} of the example's own step."""
+  losses = [np.asarray(ex.train_step(*[tf.constant(x) for x in inputs])) for _ in range(steps)]
+  return losses, {n: v.numpy().copy() for v, n in names(ex)}
+
+
+def reference_run(ex, inputs, steps):
+  """The original step run twice from the same start, on the batch and on
+  the batch reversed: (start, (losses, values), (losses, values) reversed).
+  The example's variables are left at their start values."""
+  variables = ex.all_variables()
+  start_values = [v.numpy().copy() for v in variables]
+  start = {n: v.numpy().copy() for v, n in names(ex)}
+  try:
+    want = _train(ex, inputs, steps)
+    for v, s in zip(variables, start_values):
+      v.assign(s)
+    alt = _train(ex, reverse_batch(inputs, batch_size_of(inputs)), steps)
+  finally:
+    for v, s in zip(variables, start_values):
+      v.assign(s)
+  return start, want, alt
+
+
+def training_report(step, ex, inputs, steps, rtol=compare.DEFAULT_RTOL,
+                    update_rtol=compare.DEFAULT_UPDATE_RTOL):
+  """compare.Report of `steps` steps of split step `step` against the example:
+  losses, every shard of every variable, and every update."""
+  start, (want_losses, want), (alt_losses, alt) = reference_run(ex, inputs, steps)
+  use_noise = compare.typical_noise_is_small(
+      [(want[k], alt[k]) for k in want] + list(zip(want_losses, alt_losses)))
+  if not use_noise:
+    alt_losses, alt = [None] * steps, None
+  got_losses = [np.asarray(step(*[tf.constant(x) for x in inputs])) for _ in range(steps)]
+  comparisons = [compare.compare("output", f"step {i + 1} loss", g, w, rtol,
+                                 compare.noise(w, a))
+                 for i, (g, w, a) in enumerate(zip(got_losses, want_losses, alt_losses))]
+  comparisons += compare.compare_variables(step.manifest, start, want, step.shard_values(),
+                                           alt, rtol, update_rtol)
+  return compare.Report(comparisons, rtol, use_noise, update_rtol), (start, want, alt)
 
 
 def check_training(ex, steps=3, seed=11, **split_kwargs):
-  """Splits ex.train_step, runs `steps` steps of both, compares the losses and
-  every variable; restores the example's variables; returns the split step."""
+  """Splits ex.train_step, runs `steps` steps of both and compares the losses,
+  every copy of every variable and every update; checks assign_back; leaves
+  the example's variables as they were; returns the split step."""
   variables = ex.all_variables()
   start = [v.numpy().copy() for v in variables]
   try:
     step = tfsplit.split(ex.train_step, input_signature=ex.train_signature,
                          variable_names=names(ex), timeout_seconds=TIMEOUT, **split_kwargs)
-    inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=seed)]
-    got = [float(step(*inputs)) for _ in range(steps)]
-    want = [float(ex.train_step(*inputs)) for _ in range(steps)]
-    for g, w in zip(got, want):
-      close(g, w, "loss")
-    full = step.full_values()
-    for v, n in names(ex):
-      close(full[n], v.numpy(), n)
+    inputs = ex.make_inputs("train", seed=seed)
+    report, (before, want, alt) = training_report(step, ex, inputs, steps)
+    report.assert_ok(str(split_kwargs))
+    # assign_back puts the split run's trained values into the model: they
+    # match the reference's trained values, which differ from the start.
+    step.assign_back()
+    compare.Report(compare.compare_variables(
+        None, before, want, {n: v.numpy() for v, n in names(ex)}, alt),
+                   compare.DEFAULT_RTOL).assert_ok("after assign_back:")
+    assert any(np.abs(v.numpy() - before[n]).max() > 0 for v, n in names(ex)
+               if v.trainable), "nothing was trained"
     return step
   finally:
     for v, s in zip(variables, start):

@@ -1,6 +1,9 @@
 """`tfsplit rewrite` and `tfsplit verify` end to end on a bundled example."""
 import json
 import os
+import re
+
+from tensorflow.python.framework import tensor_util
 
 from tfsplit.cli import run
 from tfsplit.graph import load_graph, save_graph
@@ -53,10 +56,31 @@ def test_rewrite_bad_mesh_writes_nothing(tmp_path, capsys):
 
 
 def test_rewrite_data_parallel_microbatched(tmp_path, capsys):
+  """--mesh dp=2 --microbatches 2: two replicas, each with the whole model, each
+  taking a quarter-batch micro-batch slice of the inputs twice, gradients
+  summed over micro-batches in the graph; and exact."""
   out = tmp_path / "gpt_dp2_m2.pb"
   code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "dp=2",
                           "--microbatches", "2", "--collective_timeout", "60"], capsys)
   assert code == 0, stdout
+  manifest = json.loads((tmp_path / "gpt_dp2_m2.manifest.json").read_text())
+  assert manifest["mesh"] == {"dp": 2} and manifest["microbatches"] == 2
+  for name, entry in manifest["variables"].items():
+    assert not any(entry["sharding"]), name
+    assert [s["device"][-5:] for s in entry["shards"]] == ["CPU:0", "CPU:1"], name
+    assert all(s["shape"] == entry["shape"] for s in entry["shards"]), name
+  graph_def = load_graph(str(out))
+  original = load_graph(TRAIN)
+  batch = next(n for n in original.node if n.name == "tokens").attr["shape"].shape.dim[0].size
+  nodes = {n.name: n for n in graph_def.node}
+  slices = sorted(n for n in nodes if re.fullmatch(r"tokens/shard_\d", n))
+  assert len(slices) == 4  # 2 replicas x 2 micro-batches
+  for name in slices:
+    size = nodes[nodes[name].input[2]].attr["value"].tensor
+    assert nodes[name].op == "Slice"
+    assert tensor_util.MakeNdarray(size)[0] == batch // 4
+  assert {nodes[s].device[-5:] for s in slices} == {"CPU:0", "CPU:1"}
+  assert int(re.search(r"(\d+) micro-batch sums", stdout).group(1)) > 0
   code, stdout, _ = _cli(["verify", TRAIN, str(out), "--steps", "2"], capsys)
   assert code == 0, stdout
 

@@ -7,7 +7,8 @@ import tensorflow as tf
 
 import tfsplit
 from tfsplit.errors import PlanError
-from tfsplit.graph import load_graph
+from tfsplit.graph import Graph, load_graph
+from tfsplit.graph.layers import graph_outputs
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding.split_pass import split_graph
 
@@ -84,14 +85,31 @@ def test_input_without_batch_dimension():
 
 
 def test_microbatches_run_in_order():
-  """Micro-batch j+1's inputs wait for micro-batch j's gradient contributions."""
+  """Every input slice of micro-batch j+1 (tokens and labels) waits for exactly
+  micro-batch j's contribution to every running gradient sum (the loss's sum
+  comes after the updates and orders nothing)."""
   ex = example("gpt_raw", batch_size=BATCH)
   graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
   result = split_graph(graph_def, make_mesh("dp=1"), microbatches=4)
-  slices = {n.name: n for n in result.graph_def.node
-            if re.fullmatch(r"tokens/shard_\d+", n.name)}
-  assert len(slices) == 4
-  waits = {name: [t for t in node.input if t.startswith("^")] for name, node in slices.items()}
-  assert not waits["tokens/shard_0"]
-  for j in (1, 2, 3):
-    assert waits[f"tokens/shard_{j}"], f"micro-batch {j} does not wait for {j - 1}"
+  nodes = {n.name: n for n in result.graph_def.node}
+  sums = result.count("local_sum")
+  assert sums >= len([v for v in ex.all_variables() if v.trainable])
+  accumulators = {}  # micro-batch -> {node holding the running sum after it}
+  outputs = graph_outputs(Graph(graph_def))
+  for name, node in nodes.items():
+    m = re.search(r"/sum_mb/group_0/acc_(\d+)$", name)
+    if m and not name.startswith(tuple(f"{o}/port_" for o in outputs)):
+      j = int(m.group(1))
+      accumulators.setdefault(j, set()).add(name)
+      if j == 1:  # micro-batch 0's own contribution starts the chain
+        accumulators.setdefault(0, set()).add(node.input[0].split(":")[0])
+  assert all(len(accumulators[j]) == sums - len(outputs) for j in range(4)), \
+      {j: len(a) for j, a in accumulators.items()}
+  inputs = [n.name for n in graph_def.node if n.op == "Placeholder" and
+            n.attr["dtype"].type != 20]  # DT_RESOURCE
+  assert sorted(inputs) == ["labels", "tokens"]
+  for name in inputs:
+    assert not [t for t in nodes[f"{name}/shard_0"].input if t.startswith("^")]
+    for j in (1, 2, 3):
+      waits = {t[1:] for t in nodes[f"{name}/shard_{j}"].input if t.startswith("^")}
+      assert waits == accumulators[j - 1], f"{name} of micro-batch {j}"

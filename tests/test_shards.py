@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import tfsplit
-from tfsplit.errors import TfsplitError
+from tfsplit.errors import DivergedCopiesError, TfsplitError
 from tfsplit.runtime import shards as shards_lib
 
 
@@ -29,6 +29,8 @@ def test_shards_round_trip():
 
 
 def test_split_function_starts_from_a_checkpoint(tmp_path):
+  """Shards restored from a checkpoint hold the checkpoint's values, not the
+  values the variables had when the function was split."""
   w = tf.Variable(np.random.RandomState(0).randn(4, 8).astype(np.float32), name="w")
   v = tf.Variable(np.random.RandomState(1).randn(8, 2).astype(np.float32), name="v")
 
@@ -37,12 +39,35 @@ def test_split_function_starts_from_a_checkpoint(tmp_path):
     return tf.matmul(tf.nn.relu(tf.matmul(x, w)), v)
   saved = {"w": w.numpy().copy(), "v": v.numpy().copy()}
   path = tf.train.Checkpoint(w=w, v=v).save(str(tmp_path / "ckpt"))
+  x = np.random.RandomState(2).randn(3, 4).astype(np.float32)
+  want = f(x).numpy()
+  # The model moves on after the checkpoint; the split starts from these values.
+  w.assign(saved["w"] * 2 + 1)
+  v.assign(-saved["v"])
   step = tfsplit.split(f, mesh="tp=2", input_signature=[tf.TensorSpec([3, 4])],
                        timeout_seconds=60)
+  assert step.manifest["w"]["sharding"] == [None, "tp"]  # w really is split
+  moved = step(tf.constant(x)).numpy()
+  assert np.abs(moved - want).max() > 1.0  # the shards do not hold the checkpoint yet
   values = shards_lib.full_values_from_checkpoint(path, ["w", "v"])
   for name, value in values.items():
     np.testing.assert_array_equal(value, saved[name])
   for name, value in shards_lib.shard_values(step.manifest, values).items():
     step.variables[name].assign(value)
-  x = np.ones([3, 4], np.float32)
-  np.testing.assert_allclose(step(tf.constant(x)).numpy(), f(x).numpy(), rtol=1e-5)
+  np.testing.assert_allclose(step(tf.constant(x)).numpy(), want, rtol=1e-6,
+                             atol=1e-6 * np.abs(want).max())
+  for name, value in step.full_values().items():
+    np.testing.assert_array_equal(value, saved[name])
+
+
+def test_divergent_copies_are_refused():
+  """full_values never lets one copy of a replicated variable win silently."""
+  manifest = {"b": {"dtype": "float32", "shape": [3], "sharding": [None], "shards": [
+      {"name": f"b/shard_{d}", "device": f"/device:CPU:{d}", "device_id": d,
+       "offsets": [0], "shape": [3]} for d in range(2)]}}
+  same = {"b/shard_0": np.ones(3, np.float32), "b/shard_1": np.ones(3, np.float32)}
+  np.testing.assert_array_equal(shards_lib.full_values(manifest, same)["b"], np.ones(3))
+  diverged = dict(same, **{"b/shard_1": np.array([1, 1, 1.01], np.float32)})
+  with pytest.raises(DivergedCopiesError, match=r"variable 'b on /device:CPU:1 vs "
+                     r"/device:CPU:0': the copies differ"):
+    shards_lib.full_values(manifest, diverged)

@@ -46,15 +46,6 @@ def test_training_matches_single_device(name, mesh):
   ex = _example(name)
   step = check_training(ex, seed=7, mesh=mesh)
   assert any(s for s in step.result.variable_specs.values())  # something was split
-  # assign_back writes the split run's values into the model's variables.
-  variables = ex.all_variables()
-  start = [v.numpy().copy() for v in variables]
-  full = step.full_values()
-  step.assign_back()
-  for v, n in _names(ex):
-    np.testing.assert_array_equal(v.numpy(), full[n])
-  for v, s in zip(variables, start):
-    v.assign(s)
 
 
 @pytest.mark.parametrize("name", ["gpt_raw", "gpt_keras3", "gpt_tfkeras"])
@@ -78,12 +69,26 @@ def test_megatron_collective_count(name):
     assert c.num_elements == cfg.batch * cfg.seq * cfg.hidden
 
 
-def test_output_is_deterministic():
-  ex = _example("gpt_raw")
-  graph_def = load_graph(ex.concrete("train"), variable_names=_names(ex))
-  a = split_graph(graph_def, make_mesh("tp=2")).graph_def.SerializeToString(deterministic=True)
-  b = split_graph(graph_def, make_mesh("tp=2")).graph_def.SerializeToString(deterministic=True)
-  assert a == b
+def test_output_is_deterministic(tmp_path):
+  """Two processes with different hash seeds write byte-identical graphs and
+  manifests (set or dict order cannot leak into node order, names or keys)."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  example_pb = os.path.join(os.path.dirname(__file__), "..", "examples",
+                            "gpt_raw_train_tiny.pb")
+  digests = []
+  for seed in ("1", "2"):
+    out = tmp_path / f"out_{seed}.pb"
+    env = dict(os.environ, PYTHONHASHSEED=seed)
+    subprocess.run([sys.executable, "-m", "tfsplit.cli", "rewrite", example_pb, "-o",
+                    str(out), "--mesh", "dp=2,tp=2", "--microbatches", "2"],
+                   check=True, env=env, capture_output=True, timeout=300)
+    manifest = (tmp_path / f"out_{seed}.manifest.json").read_bytes()
+    digests.append((hashlib.sha256(out.read_bytes()).hexdigest(),
+                    hashlib.sha256(manifest.replace(str(tmp_path).encode(), b"")).hexdigest()))
+  assert digests[0] == digests[1]
 
 
 def test_heads_not_divisible_is_a_clear_error():
@@ -116,13 +121,23 @@ def test_op_without_rule_falls_back_exactly():
 
 
 def test_annotations_override_strategy():
-  w = tf.Variable(np.arange(32, dtype=np.float32).reshape(4, 8), name="w")
+  """Megatron splits the pair w1 (columns) / w2 (rows); an annotation makes w1
+  row-split instead, and the result is still exact."""
+  rng = np.random.RandomState(3)
+  w1 = tf.Variable(rng.randn(4, 8).astype(np.float32), name="w1")
+  w2 = tf.Variable(rng.randn(8, 6).astype(np.float32), name="w2")
 
   @tf.function
   def f(x):
-    return tf.nn.relu(tf.matmul(x, w))
-  step = tfsplit.split(f, mesh="tp=2", strategy="none", annotations={"w": (None, "tp")},
-                       input_signature=[tf.TensorSpec([3, 4])])
-  assert step.manifest["w"]["shards"][1]["offsets"] == [0, 4]
-  x = np.ones([3, 4], np.float32)
-  np.testing.assert_allclose(step(tf.constant(x)).numpy(), f(x).numpy())
+    return tf.matmul(tf.nn.relu(tf.matmul(x, w1)), w2)
+  x = rng.randn(3, 4).astype(np.float32)
+  plain = tfsplit.split(f, mesh="tp=2", input_signature=[tf.TensorSpec([3, 4])],
+                        timeout_seconds=TIMEOUT)
+  assert plain.manifest["w1"]["sharding"] == [None, "tp"]
+  step = tfsplit.split(f, mesh="tp=2", annotations={"w1": ("tp", None)},
+                       input_signature=[tf.TensorSpec([3, 4])], timeout_seconds=TIMEOUT)
+  assert step.manifest["w1"]["sharding"] == ["tp", None]
+  assert [s["offsets"] for s in step.manifest["w1"]["shards"]] == [[0, 0], [2, 0]]
+  want = f(x).numpy()
+  np.testing.assert_allclose(step(tf.constant(x)).numpy(), want, rtol=1e-6,
+                             atol=1e-6 * np.abs(want).max())

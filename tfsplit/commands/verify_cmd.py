@@ -22,7 +22,10 @@ def _define_flags():
   flags.DEFINE_integer("steps", 1, "How many times to run (a training step updates "
                        "its variables each time).", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Seed of variable values and inputs.", flag_values=fv)
-  flags.DEFINE_float("rtol", 1e-4, "Largest relative error accepted.", flag_values=fv)
+  flags.DEFINE_float("rtol", 1e-4, "Largest error of a tensor's values, relative to "
+                     "the tensor's own largest magnitude.", flag_values=fv)
+  flags.DEFINE_float("update_rtol", 1e-2, "Largest error of a variable's update over the "
+                     "steps, relative to that variable's largest update.", flag_values=fv)
   flags.DEFINE_integer("int_max", None, "Integer inputs are drawn from [0, int_max) "
                        "(default: the smallest embedding table).", flag_values=fv)
   flags.DEFINE_boolean("all", False, "Show every variable, not only the worst.",
@@ -51,6 +54,7 @@ def main(argv):
     candidate = manifest_path(positional[1])
     manifest = candidate if os.path.exists(candidate) else None
   report = verify_lib.verify(original, rewritten, manifest, steps=fv.steps, seed=fv.seed,
-                             rtol=fv.rtol, int_max=fv.int_max)
+                             rtol=fv.rtol, int_max=fv.int_max,
+                             update_rtol=fv.update_rtol)
   sys.stdout.write(report.table(show_all=fv.all) + "\n")
   return 0 if report.ok else 1

@@ -31,6 +31,11 @@ from typing import Dict, List, Optional
 import numpy as np
 
 DEFAULT_RTOL = 1e-4
+# Updates are compared against the tensor's largest update. Adam divides by
+# sqrt(v) + eps, so an element with a near-zero, cancellation-heavy gradient
+# amplifies summation-order noise into its step (seen: 1e-3 of the largest
+# step after 3 steps at tp=2); a 1% wrong step still fails.
+DEFAULT_UPDATE_RTOL = 1e-2
 # How many times the reference's own rounding noise a split run may differ by.
 NOISE_FACTOR = 10.0
 # The reversed-batch reference only estimates noise if the graph is
@@ -142,7 +147,7 @@ def _slices(shard):
 
 
 def compare_variables(manifest, start, want, shard_values, alternative=None,
-                      rtol=DEFAULT_RTOL):
+                      rtol=DEFAULT_RTOL, update_rtol=DEFAULT_UPDATE_RTOL):
   """Comparisons of every shard of every variable with the reference.
 
   manifest: {variable: {"shape", "shards": [{"name", "device", "offsets",
@@ -178,7 +183,7 @@ def compare_variables(manifest, start, want, shard_values, alternative=None,
                          scale=float(np.abs(w).max()) if w.size else None))
       if update_scale is not None:
         # got - want == (got - start) - (want - start): the update's error.
-        out.append(compare("update", where, got, w[sl], rtol, noise_abs,
+        out.append(compare("update", where, got, w[sl], update_rtol, noise_abs,
                            scale=update_scale))
       by_block.setdefault(tuple((x.start, x.stop) for x in sl), []).append((device, got))
     for copies in by_block.values():
@@ -192,6 +197,7 @@ class Report:
   comparisons: List[Comparison]
   rtol: float
   noise_estimated: bool = False
+  update_rtol: float = DEFAULT_UPDATE_RTOL
 
   @property
   def ok(self):
@@ -234,9 +240,10 @@ class Report:
     if copy is not None:
       lines.append(f"first divergent copy: {copy.what}")
     failures = self.failures
-    noise_note = ("tolerance: rtol {:g} of each tensor's scale + {:g}x the reference's "
-                  "rounding noise".format(self.rtol, NOISE_FACTOR) if self.noise_estimated
-                  else f"tolerance: rtol {self.rtol:g} of each tensor's scale")
+    noise_note = (f"tolerance: {self.rtol:g} of each tensor's scale, "
+                  f"{self.update_rtol:g} of its largest update")
+    if self.noise_estimated:
+      noise_note += f", + {NOISE_FACTOR:g}x the reference's own rounding noise"
     if failures:
       lines.append(f"MISMATCH: {len(failures)} of {len(self.comparisons)} comparisons "
                    f"fail, worst {self.worst().what}; {noise_note}")

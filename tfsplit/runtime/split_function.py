@@ -88,10 +88,13 @@ class SplitFunction(object):
     outputs = self._fn(*args)
     return outputs[0] if len(outputs) == 1 else outputs
 
+  def shard_values(self):
+    """{shard name: numpy value}, every device's copy (see self.manifest)."""
+    return {k: v.numpy() for k, v in self.variables.items()}
+
   def full_values(self):
     """{variable name: numpy value} assembled from the shards."""
-    return shards_lib.full_values(
-        self.manifest, {k: v.numpy() for k, v in self.variables.items()})
+    return shards_lib.full_values(self.manifest, self.shard_values())
 
   def assign_back(self):
     """Writes the assembled values into the original function's variables."""

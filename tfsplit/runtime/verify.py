@@ -113,7 +113,8 @@ def _run(graph_def, variables, inputs, steps, outputs=None):
 
 
 def verify(original, rewritten, manifest=None, steps=1, seed=0,
-           rtol=compare_lib.DEFAULT_RTOL, int_max=None, every_step=False):
+           rtol=compare_lib.DEFAULT_RTOL, int_max=None, every_step=False,
+           update_rtol=compare_lib.DEFAULT_UPDATE_RTOL):
   """compare.Report of `rewritten` against `original` (GraphDefs or paths).
 
   manifest: the rewritten graph's shard manifest (a path, the manifest dict
@@ -126,10 +127,9 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   rewritten = load_graph(rewritten) if not hasattr(rewritten, "node") else rewritten
   if isinstance(manifest, str):
     manifest = shards_lib.read_manifest(manifest)
-  output_copies, devices = {}, []
+  output_copies = {}
   if manifest is not None and isinstance(manifest.get("variables"), dict):
     output_copies = manifest.get("outputs") or {}
-    devices = manifest.get("devices") or []
     manifest = manifest["variables"]
   original_graph = Graph(original)
   values = seeded_variable_values(original_graph, seed)
@@ -160,9 +160,6 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
                                           for s in entry["shards"]])
                 for name, entry in manifest.items()}
 
-  def device_label(d):
-    return short_device(devices[d]) if d < len(devices) else f"device {d}"
-
   comparisons = []
   for step, ((w_out, w_vars), (a_out, a_vars), (g_out, g_vars)) in enumerate(
       zip(want, alt, got)):
@@ -171,18 +168,19 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
       what = f"step {step + 1} {name}"
       comparisons.append(compare_lib.compare("output", what, g_out[k], w_out[k], rtol,
                                              noise_abs))
-      mine = [(device_label(d), g_out[len(outputs) + j])
+      mine = [(short_device(d), g_out[len(outputs) + j])
               for j, (o, d, _) in enumerate(copies) if o == name]
       comparisons.extend(compare_lib.compare("output", f"{what} on {dev}", v, w_out[k], rtol,
                                              noise_abs) for dev, v in mine)
       comparisons.extend(compare_lib.compare_copies(what, mine, rtol, noise_abs))
     if every_step or step == steps - 1:
-      found = compare_lib.compare_variables(manifest, values, w_vars, g_vars, a_vars, rtol)
+      found = compare_lib.compare_variables(manifest, values, w_vars, g_vars, a_vars, rtol,
+                                            update_rtol)
       if every_step:
         for c in found:
           c.what = f"after step {step + 1}: {c.what}"
       comparisons.extend(found)
-  return compare_lib.Report(comparisons, rtol, use_noise)
+  return compare_lib.Report(comparisons, rtol, use_noise, update_rtol)
 
 
 def ensure_logical_devices(count, kind="CPU"):

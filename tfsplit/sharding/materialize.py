@@ -127,7 +127,7 @@ class Materializer(object):
     self.reshards = {}     # (tensor, target) -> [local tensor per device]
     self.collectives = []  # CollectiveRecord
     self.manifest = {}
-    self.output_copies = {}  # output -> [[device id, local tensor]], one per copy
+    self.output_copies = {}  # output -> [[device, local tensor]], one per copy
     # Instance keys start from a fingerprint of the input graph: unique across
     # the different split graphs one process may run, yet deterministic.
     # The plan is part of the fingerprint: TF caches a collective's shape per
@@ -654,7 +654,8 @@ class Materializer(object):
     seen = {}
     for d in self.ids_for(name):
       seen.setdefault(local[d], d)
-    self.output_copies[name] = sorted([d, t] for t, d in seen.items())
+    self.output_copies[name] = [[self.mesh.devices[d], t]
+                                for d, t in sorted((d, t) for t, d in seen.items())]
     # Control inputs from every device's copy: a collective member that no
     # fetched node depends on is pruned, and its peers would wait forever.
     out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[0],

@@ -36,7 +36,7 @@ class SplitResult:
   collectives: list
   fallbacks: List[str]
   variable_specs: Dict[str, tuple]   # variable name -> dims
-  # output -> [[device id, local tensor name]]: every device's whole copy
+  # output -> [[device, local tensor name]]: every device's whole copy
   output_copies: Dict[str, list] = dataclasses.field(default_factory=dict)
 
   def manifest_json(self):
