@@ -21,7 +21,8 @@ setup(
         "gpu": [f"tensorflow[and-cuda]=={TF_VERSION}"],
         "keras": ["tf_keras==2.21.0"],
         "plot": ["matplotlib"],
-        "test": [f"tensorflow-cpu=={TF_VERSION}", "tf_keras==2.21.0", "pytest", "pytest-timeout"],
+        "test": [f"tensorflow-cpu=={TF_VERSION}", "tf_keras==2.21.0", "pytest", "pytest-timeout",
+                 "matplotlib"],
     },
     entry_points={"console_scripts": ["tfsplit=tfsplit.cli:main"]},
 )

@@ -113,3 +113,44 @@ def test_microbatches_run_in_order():
     for j in (1, 2, 3):
       waits = {t[1:] for t in nodes[f"{name}/shard_{j}"].input if t.startswith("^")}
       assert waits == accumulators[j - 1], f"{name} of micro-batch {j}"
+
+
+class _LaggingReplica(object):
+  """A split step whose last replica takes only 90% of each step for one
+  variable: what the training check must catch."""
+
+  def __init__(self, step, shard):
+    self.step, self.manifest, self.shard_values = step, step.manifest, step.shard_values
+    self.var = step.variables[shard]
+
+  def __call__(self, *args):
+    before = self.var.numpy()
+    out = self.step(*args)
+    self.var.assign(before + 0.9 * (self.var.numpy() - before))
+    return out
+
+
+def test_training_check_fails_on_a_lagging_replica():
+  """The check behind every training test fails on one replica's 10% short
+  step, after 1 step and after 3, and names that replica's device."""
+  from _util import TIMEOUT, training_report  # pylint: disable=import-outside-toplevel
+  ex = example("gpt_raw")
+  variables = ex.all_variables()
+  start = [v.numpy().copy() for v in variables]
+  step = tfsplit.split(ex.train_step, mesh="dp=2", input_signature=ex.train_signature,
+                       variable_names=names(ex), timeout_seconds=TIMEOUT)
+  kernel = "gpt/block_0/mlp/fc1/kernel"
+  lagging = _LaggingReplica(step, step.manifest[kernel]["shards"][1]["name"])
+  inputs = ex.make_inputs("train", seed=2)
+  try:
+    for steps in (1, 3):
+      report, _ = training_report(lagging, ex, inputs, steps)
+      failed = {c.what for c in report.failures}
+      assert f"{kernel} on /device:CPU:1" in failed, report.table()
+      assert report.first_divergent_copy() is not None
+      if steps == 1:  # later steps spread the error to every replica's gradients
+        assert failed == {f"{kernel} on /device:CPU:1",
+                          f"{kernel} on /device:CPU:1 vs /device:CPU:0"}, failed
+  finally:
+    for v, s in zip(variables, start):
+      v.assign(s)

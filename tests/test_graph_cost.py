@@ -3,6 +3,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 import tensorflow as tf
 
@@ -11,7 +12,7 @@ from tfsplit.cost import collectives
 from tfsplit.cost import graph_sim
 from tfsplit.cost import op_cost
 from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
-from tfsplit.graph import Graph, infer_shapes, load_graph
+from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -143,14 +144,25 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   assert run(["tfsplit", "calibrate", graph, "--out", table, "--repeats", "2",
               "--traced", "1"]) == 0
   assert "measured op shapes" in capsys.readouterr().out
-  assert json.load(open(table, encoding="utf-8"))["entries"]
+  entries = json.load(open(table, encoding="utf-8"))["entries"]
+  # The graph's own matmuls were measured, keyed by op, dtype and shapes.
+  assert "MatMul|float32|[4,32],[32,32]|[4,32]|transpose_a=0,transpose_b=0" in entries
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
               "--trace", trace, "--format", "json"]) == 0
   out = json.loads(capsys.readouterr().out)
-  assert out["measured_ops"] > 0 and out["modelled_ops"] == 0
-  assert out["devices"][0]["memory"]["parameters"] > 0
-  assert json.load(open(trace, encoding="utf-8"))["traceEvents"]
+  # Every op got a measured time (none fell back to the model).
+  assert out["measured_ops"] == out["tasks"] - 1 and out["modelled_ops"] == 0
+  # Parameter and Adam-state bytes are the variables' sizes, each rounded up
+  # to the allocator's 256-byte alignment.
+  variables = find_variables(Graph(load_graph(graph)))
+  aligned = [-(-4 * int(np.prod(v.shape)) // 256) * 256 for v in variables if v.trainable]
+  memory = out["devices"][0]["memory"]
+  assert memory["parameters"] == sum(aligned) == 11008
+  assert memory["optimizer_state"] == 2 * sum(aligned) + 2 * 256  # + lr, iteration
+  spans = [e for e in json.load(open(trace, encoding="utf-8"))["traceEvents"]
+           if e["ph"] == "X"]
+  assert len(spans) >= out["tasks"] - 1
   assert run(["tfsplit", "estimate", graph, "--calibration",
               str(tmp_path / "none.json")]) == 2
   assert "does not exist" in capsys.readouterr().err

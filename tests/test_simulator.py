@@ -1,7 +1,9 @@
 """The event simulator, pipeline schedules against theory, trace output, speed."""
 import json
+import struct
 import time
 
+import numpy as np
 import pytest
 
 from tfsplit.cost import output
@@ -192,11 +194,33 @@ def test_chrome_trace(tmp_path):
 
 
 def test_gantt_png(tmp_path):
-  pytest.importorskip("matplotlib")
-  res = pipeline_sim.simulate_pipeline(3, 4, "1f1b", 1e-3, 2e-3, p2p_time=1e-4)
-  path = tmp_path / "gantt.png"
-  output.write_gantt(res.sim, str(path))
-  assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+  """A real PNG (matplotlib is in the test extra: no skip), one row per device
+  and link, bars in each kind's colour, as wide as the tasks take."""
+  import matplotlib.image  # pylint: disable=import-outside-toplevel
+  heights = {}
+  for stages in (3, 6):
+    res = pipeline_sim.simulate_pipeline(stages, 4, "1f1b", 1e-3, 2e-3, p2p_time=1e-4)
+    path = tmp_path / f"gantt{stages}.png"
+    output.write_gantt(res.sim, str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    assert len(data) > 10_000
+    width, height = struct.unpack(">II", data[16:24])
+    assert 600 <= width <= 4000 and 200 <= height <= 4000, (width, height)
+    image = matplotlib.image.imread(str(path))
+    assert image.shape[:2] == (height, width)
+    rgb = np.round(image[..., :3] * 255).astype(int).reshape(-1, 3)
+    pixels = {}
+    for kind in ("forward", "backward", "comm"):
+      colour = output._COLORS[kind]  # pylint: disable=protected-access
+      want = np.array([int(colour[i:i + 2], 16) for i in (1, 3, 5)])
+      pixels[kind] = int((np.abs(rgb - want).max(axis=1) <= 2).sum())
+    assert all(pixels.values()), pixels
+    # A backward takes twice a forward here: its bars cover about twice the area.
+    assert 1.5 <= pixels["backward"] / pixels["forward"] <= 2.5, pixels
+    heights[stages] = height
+  assert heights[6] > heights[3]  # more devices and links, more rows
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["gantt3.png", "gantt6.png"]
 
 
 # --- speed --------------------------------------------------------------------

@@ -3,7 +3,8 @@
 A correct rewrite of the bundled GPT training step is broken on purpose in
 one place on one device (one replica skips an update, one shard's step is 10%
 too large, one shard's Adam second moment is zeroed, two shards are swapped,
-one collective member contributes nothing) and `verify` must report MISMATCH
+one collective member contributes nothing, one device's attention logits are
+10% too large) and `verify` must report MISMATCH
 after 1 step and after 3 steps, on dp=2, tp=2 and dp=2 x tp=2 graphs.
 """
 import os
@@ -125,7 +126,17 @@ def drop_member(graph_def, manifest):
   node.input[0] = zeros.name
 
 
-MUTATIONS = [skip_replica_update, scale_step, zero_second_moment, swap_shards, drop_member]
+def scale_attention_logits(graph_def, manifest):
+  """The last device's attention logits in the first block are 10% too large."""
+  device = manifest["devices"][-1]
+  node = next(n for n in graph_def.node if n.op == "Softmax" and n.device == device)
+  scale = _add(graph_def, "mutation/logit_scale", "Const", device, [], value=1.1)
+  _add(graph_def, "mutation/scaled_logits", "Mul", device, [node.input[0], scale.name])
+  node.input[0] = "mutation/scaled_logits"
+
+
+MUTATIONS = [skip_replica_update, scale_step, zero_second_moment, swap_shards, drop_member,
+             scale_attention_logits]
 
 
 def _mutated(graph_def, manifest, mutation):

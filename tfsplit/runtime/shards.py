@@ -97,7 +97,11 @@ def create_shard_variables(manifest, full_values_by_name):
 def full_values_from_checkpoint(path, names):
   """{name: value} read from a TF checkpoint (keys as saved by tf.train.Checkpoint
   or Keras: the variable name or object path)."""
-  reader = tf.train.load_checkpoint(path)
+  try:
+    reader = tf.train.load_checkpoint(path)
+  except (tf.errors.NotFoundError, tf.errors.DataLossError, ValueError) as e:
+    raise TfsplitError(f"{path}: cannot read the checkpoint "
+                       f"({str(e).splitlines()[0][:200]})") from None
   keys = reader.get_variable_to_shape_map()
   out = {}
   for name in names:

@@ -26,7 +26,14 @@ VerifyReport = compare_lib.Report
 
 
 def seeded_variable_values(graph, seed=0):
-  """{variable name: value}: weights ~ N(0, 0.1), other state ~ U(0, 0.1), ints 0."""
+  """{variable name: value} that make every part of a step matter.
+
+  Weight matrices ~ N(0, 0.1); vectors (LayerNorm scales and shifts, biases)
+  ~ 1 + N(0, 0.1), so normalised activations are not squashed to zero and
+  attention is far from uniform; other state (optimizer slots, learning rate)
+  ~ U(0, 1e-3), small enough that the gradient decides each update instead of
+  the seeded moments; integers 0.
+  """
   rng = np.random.RandomState(seed)
   values = {}
   for var in find_variables(graph):
@@ -37,7 +44,9 @@ def seeded_variable_values(graph, seed=0):
     if dtype.is_integer or dtype == tf.bool:
       values[var.name] = np.zeros(var.shape, dtype.as_numpy_dtype)
     elif var.trainable is False:
-      values[var.name] = rng.uniform(0, 0.1, var.shape).astype(dtype.as_numpy_dtype)
+      values[var.name] = rng.uniform(0, 1e-3, var.shape).astype(dtype.as_numpy_dtype)
+    elif len(var.shape) <= 1:
+      values[var.name] = (1 + rng.randn(*var.shape) * 0.1).astype(dtype.as_numpy_dtype)
     else:
       values[var.name] = (rng.randn(*var.shape) * 0.1).astype(dtype.as_numpy_dtype)
   return values
@@ -98,7 +107,7 @@ def reverse_batch(values, batch):
 
 def short_device(device):
   """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'CPU:1'."""
-  return device.rsplit("device:", 1)[-1] if device else device
+  return str(device).rsplit("device:", 1)[-1]
 
 
 def _run(graph_def, variables, inputs, steps, outputs=None):
@@ -133,6 +142,14 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
     manifest = manifest["variables"]
   original_graph = Graph(original)
   values = seeded_variable_values(original_graph, seed)
+  if manifest is not None and set(manifest) != set(values):
+    missing, extra = sorted(set(values) - set(manifest)), sorted(set(manifest) - set(values))
+    raise TfsplitError(
+        "the manifest does not describe the original graph's variables ("
+        + (f"not in the manifest: {', '.join(missing[:3])}" if missing else "")
+        + ("; " if missing and extra else "")
+        + (f"not in the original: {', '.join(extra[:3])}" if extra else "")
+        + "); give the original graph (and --signature) the rewrite was made from")
   inputs = seeded_inputs(original_graph, seed, int_max)
   outputs = graph_outputs(original_graph)
 
