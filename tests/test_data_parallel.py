@@ -10,7 +10,7 @@ from tfsplit.errors import PlanError
 from tfsplit.graph import Graph, load_graph
 from tfsplit.graph.layers import graph_outputs
 from tfsplit.runtime.split_function import make_mesh
-from tfsplit.sharding.split_pass import split_graph
+from tfsplit.passes import split_graph
 
 from _util import check_training, example, names
 

@@ -15,9 +15,9 @@ from tfsplit.cli import run
 from tfsplit.errors import PlanError, TfsplitError
 from tfsplit.graph import load_graph, save_graph
 from tfsplit.runtime import shards as shards_lib
-from tfsplit.sharding import split_pass
+from tfsplit.sharding import propagate as propagate_lib
 from tfsplit.sharding.mesh import Mesh
-from tfsplit.sharding.split_pass import split_graph
+from tfsplit.passes import split_graph
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 MLP = os.path.join(ROOT, "examples", "mlp_raw_train_tiny.pb")  # batch 4, 3 layers
@@ -118,7 +118,7 @@ def _chain_of_variables(n):
 def test_variable_shardings_that_do_not_settle():
   """Constructed, not forced: a chain of as many variables as there are
   inference rounds is still changing in the last round."""
-  rounds = split_pass._MAX_ROUNDS  # pylint: disable=protected-access
+  rounds = propagate_lib._MAX_VARIABLE_ROUNDS  # pylint: disable=protected-access
   graph_def = _chain_of_variables(rounds)
   with pytest.raises(PlanError) as e:
     split_graph(graph_def, Mesh.parse("tp=2"), strategy="none",
@@ -200,7 +200,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent("""
     from tfsplit.runtime import shards
     from tfsplit.runtime.graph_function import import_graph
     from tfsplit.sharding.mesh import Mesh
-    from tfsplit.sharding.split_pass import split_graph
+    from tfsplit.passes import split_graph
 
     w = tf.Variable(np.arange(32, dtype=np.float32).reshape(8, 4), name="w")
 

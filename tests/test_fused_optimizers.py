@@ -296,7 +296,7 @@ def test_slots_sharded_unlike_their_variable_are_refused():
 
 @pytest.mark.xfail(strict=True, raises=PlanError,
                    reason="slot shardings are not inferred through fused update ops: "
-                   "split_pass._inferred_specs only looks at reads and Assign* writes, "
+                   "propagate.infer_variable_specs only looks at reads and Assign* writes, "
                    "so unannotated slots stay replicated next to a split variable")
 def test_megatron_infers_fused_slots():
   m = model("adam")

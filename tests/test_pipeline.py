@@ -7,7 +7,7 @@ from tfsplit.pipeline.partition import balanced_partition
 from tfsplit.pipeline.schedules import GPipe, OneFOneB
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding.mesh import Mesh
-from tfsplit.sharding.split_pass import split_graph
+from tfsplit.passes import split_graph
 
 from _util import TIMEOUT, check_training, example, names
 

@@ -52,14 +52,14 @@ class In:
   """One op input: its shape and value kind.
 
   kind: any (k/4, |k| <= 8), pos (k/4, 2 <= k <= 8), distinct (all values
-  different), int / ipos (int32), bool, idx:N (int32 in [0, N)), var (the
-  tf.Variable itself is passed to the body, any values)."""
+  different), int / ipos (int32), bool, idx:N (int32 in [0, N)), var /
+  var_pos (the tf.Variable itself is passed to the body, any / pos values)."""
   shape: Tuple[int, ...]
   kind: str = "any"
 
   @property
   def floating(self):
-    return self.kind in ("any", "pos", "distinct", "var_f")
+    return self.kind in ("any", "pos", "distinct")
 
 
 @dataclasses.dataclass
@@ -79,7 +79,8 @@ class Row:
   body: Optional[Callable] = None      # body(p, *inputs) -> tensor or list
   partial: bool = True                 # add partial-sum copies of float inputs
   multi: bool = False                  # also run on MULTI_MESHES
-  fallbacks: Dict[str, str] = dataclasses.field(default_factory=dict)  # op -> why ok
+  # Legitimate refusals: {op: text its fallback message must contain}.
+  fallbacks: Dict[str, str] = dataclasses.field(default_factory=dict)
   skip: Optional[str] = None           # why the op is not run here
   absent: Optional[str] = None         # why the op is not in the split graph
   ties: Dict[int, int] = dataclasses.field(default_factory=dict)  # input -> same as
@@ -157,8 +158,10 @@ row("Mul", SHAPES_2 + [V([I(4, 8, kind="int"), I(8, kind="int")])], raw("Mul"),
     multi=True)
 row("MulNoNan", SHAPES_2, raw("MulNoNan"))
 row("RealDiv", kinds(SHAPES_2, None, "pos"), raw("RealDiv"), multi=True)
-row("Div", kinds(SHAPES_2, None, "pos") + [V([I(4, 8, kind="int"), I(8, kind="ipos")])],
-    raw("Div"))
+# Integer division truncates: not linear in the numerator (y replicated so a
+# partial numerator reaches the rule as it is).
+row("Div", kinds(SHAPES_2, None, "pos") +
+    [V([I(4, 8, kind="int"), I(8, kind="ipos")], ns={1: (0,)})], raw("Div"))
 row("DivNoNan", kinds(SHAPES_2, None, "any"), raw("DivNoNan"))   # y == 0 -> 0
 row("TruncateDiv", kinds(SHAPES_2, None, "pos") +
     [V([I(4, 8, kind="int"), I(8, kind="ipos")])], raw("TruncateDiv"))
@@ -249,8 +252,9 @@ def _reduce(op):
   return body
 
 
-_RUNTIME_AXES = ("reduction axes computed at run time (the output keeps its rank but "
-                 "not its shape): the rule replicates")
+# Reduction axes computed at run time (the output keeps its rank, not its
+# shape): the rule replicates.
+_RUNTIME_AXES = "reduction axes are not constant"
 
 
 _RED = [V([I(4, 8)], ([1], False)), V([I(4, 8)], ([0], True)), V([I(2, 4, 8)], ([0, 1], False)),
@@ -258,10 +262,11 @@ _RED = [V([I(4, 8)], ([1], False)), V([I(4, 8)], ([0], True)), V([I(2, 4, 8)], (
 for _op in ("Sum", "Mean"):
   row(_op, _RED + [V([I(4, 8, kind="int")], ([1], False)), V([I(4, 8, kind="int")], ([0], False))]
       + ([V([I(4, 8)], ("runtime", True))] if _op == "Sum" else []),
-      _reduce(_op), multi=True, fallbacks={"Sum": _RUNTIME_AXES})
+      _reduce(_op), multi=True, fallbacks={"Sum": _RUNTIME_AXES} if _op == "Sum" else {})
 for _op in ("Max", "Min", "EuclideanNorm"):
   row(_op, _RED + ([V([I(4, 8)], ("runtime", True))] if _op == "Max" else []),
-      _reduce(_op), multi=_op == "Max", fallbacks={"Max": _RUNTIME_AXES})
+      _reduce(_op), multi=_op == "Max",
+      fallbacks={"Max": _RUNTIME_AXES} if _op == "Max" else {})
 row("Prod", kinds(_RED, "pos"), _reduce("Prod"))
 for _op in ("All", "Any"):   # never split a reduced bool dimension (see above)
   row(_op, [V(v.ins, v.p, ns={0: tuple(a % len(v.ins[0].shape) for a in v.p[0])})
@@ -280,7 +285,7 @@ row("Reshape", [V([I(4, 8)], [32]), V([I(4, 8)], [2, 2, 8]), V([I(2, 4, 8)], [8,
 row("Transpose", [V([I(4, 8)], [1, 0]), V([I(2, 4, 8)], [2, 0, 1]), V([I(2, 4, 8)], [0, 2, 1]),
                   V([I(4, 8)], "runtime")],
     lambda p, x: tf.transpose(x, p if p != "runtime" else _runtime_int(x, [1, 0])),
-    multi=True, fallbacks={"Transpose": "permutation computed at run time: replicates"})
+    multi=True, fallbacks={"Transpose": "permutation is not constant"})
 row("ExpandDims", [V([I(4, 8)], 0), V([I(4, 8)], -1), V([I(4, 8)], 1), V([I(8)], -1)],
     lambda p, x: tf.expand_dims(x, p))
 row("Squeeze", [V([I(4, 1, 8)], [1]), V([I(1, 8)], []), V([I(4, 8, 1)], [-1])],
@@ -368,7 +373,7 @@ row("GatherV2", [V([I(8, 4), I(4, kind="idx:8")], 0), V([I(4, 8), I(4, kind="idx
                  V([I(4, 8), I(4, 2, kind="idx:8")], "batch_dims")],
     lambda p, x, i: (tf.gather(x, i, axis=p) if p != "batch_dims" else
                      tf.gather(x, i, axis=1, batch_dims=1)),
-    multi=True, fallbacks={"GatherV2": "batch_dims != 0: the rule replicates"})
+    multi=True, fallbacks={"GatherV2": "batch_dims != 0"})
 row("ResourceGather", [V([I(8, 4, kind="var"), I(4, kind="idx:8")]),
                        V([I(8, 4, kind="var"), I(2, 2, kind="idx:8")])],
     lambda p, v, i: tf.gather(v, i) * 1.0, no_split={0: (0,)}, multi=True)
@@ -485,14 +490,20 @@ class Built(object):
     self.row = r
     rng = np.random.default_rng(zlib.crc32(r.op.encode()))
     self.vars: List[_Var] = []
-    self.copies = []     # (variant, partial input indices, [[_Var] per input])
-    for k, v in enumerate(r.variants):
-      self.copies.append((v, ()))
-    floats = lambda v: [i for i, x in enumerate(v.ins) if x.floating or x.kind == "int"]
+    self.copies = [(v, ()) for v in r.variants]   # (variant, partial inputs)
+
+    def summable(v):   # inputs that may come from a split contraction
+      return [i for i, x in enumerate(v.ins)
+              if x.floating or (x.kind == "int" and r.op in _INT_PARTIAL)]
     if r.partial:
-      for j, which in ((0, "all"), (1, "first")):
-        v = r.variants[j % len(r.variants)]
-        idx = [i for i in floats(v) if v.ins[i].kind != "int" or r.op in _INT_PARTIAL]
+      # Partial copies: all summable inputs of variant 0, the first one of
+      # variant 1, and the first input of every integer variant.
+      plan = [(r.variants[0], "all"), (r.variants[1 % len(r.variants)], "first")]
+      plan += [(v, "int") for v in r.variants if v.ins and v.ins[0].kind == "int"]
+      for v, which in plan:
+        idx = summable(v)
+        if which == "int":
+          idx = idx[:1]
         if which == "first":
           if len(idx) < 2:
             continue   # the same as "all"
@@ -585,7 +596,8 @@ class Built(object):
 _INT_PARTIAL = {"Mul", "RealDiv", "Div", "TruncateDiv", "FloorDiv", "FloorMod", "Mod",
                 "Sum", "Mean", "Cast", "ZerosLike", "OnesLike"}
 _BUILT = {}
-SEEN_FALLBACKS = collections.defaultdict(set)   # op under test -> {(op, reason)}
+# Fallbacks met so far: {row op: {(op, reason)}} (for debugging a run).
+SEEN_FALLBACKS = collections.defaultdict(set)
 
 
 def built(r):
@@ -633,7 +645,8 @@ def check(r, mesh, seed):
     for msg in step.result.fallbacks:
       assert "split rule failed" not in msg, f"{where}: {msg}"
       op = re.search(r"\(op (\w+)\)", msg).group(1)
-      assert op in r.fallbacks, f"{where}: undocumented fallback: {msg}"
+      assert op in r.fallbacks and r.fallbacks[op] in msg, (
+          f"{where}: undocumented fallback: {msg}")
       SEEN_FALLBACKS[r.op].add((op, msg.split(": ", 1)[1].split(";")[0]))
     return step
   finally:

@@ -10,7 +10,7 @@ from tfsplit.graph import load_graph
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import import_graph
 from tfsplit.runtime.split_function import make_mesh
-from tfsplit.sharding.split_pass import split_graph
+from tfsplit.passes import split_graph
 
 from _util import TIMEOUT, check_training, example, names
 

@@ -21,7 +21,7 @@ from tfsplit.graph import load_graph, save_graph
 from tfsplit.graph import variables as variables_lib
 from tfsplit.runtime.verify import verify
 from tfsplit.sharding.mesh import Mesh
-from tfsplit.sharding.split_pass import split_graph
+from tfsplit.passes import split_graph
 
 from _util import TIMEOUT
 

@@ -29,9 +29,14 @@ class DivergedCopiesError(TfsplitError):
   """Copies of one replicated tensor disagree across devices."""
 
 
-def node_error(cls, node, problem, fix=None):
-  """Builds ``cls`` with a message naming ``node`` (a NodeDef) and its op."""
+def node_error(cls, node, problem, fix=None, source=None):
+  """Builds ``cls`` with a message naming ``node`` (a NodeDef) and its op.
+
+  ``source`` (a file name, 'graph') prefixes the message when given.
+  """
   msg = f"node '{node.name}' (op {node.op}): {problem}"
+  if source:
+    msg = f"{source}: {msg}"
   if fix:
     msg += f"; {fix}"
   return cls(msg)

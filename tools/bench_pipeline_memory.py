@@ -263,7 +263,7 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
   from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.split_pass import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   stages = FLAGS.stages
   t0 = time.time()
   workers = _Workers(stages, logdir, FLAGS.timeout)

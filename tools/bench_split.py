@@ -106,7 +106,7 @@ def main(argv):
   from tfsplit import models  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.split_pass import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
 
   t0 = time.perf_counter()
   ex = models.build(FLAGS.model, size=FLAGS.size)

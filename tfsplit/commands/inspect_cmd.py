@@ -24,18 +24,34 @@ def _define_flags():
   flags.DEFINE_integer("top_ops", 25, "Op types shown in the table.", flag_values=fv)
   flags.DEFINE_string("output", None, "Write the report here instead of stdout.",
                       flag_values=fv)
+  flags.DEFINE_string("variables", None, "Checkpoint prefix or SavedModel directory to "
+                      "take the shapes and names of GRAPH's variables from, when GRAPH "
+                      "was written without them (tf.io.write_graph of a function's "
+                      "graph).", flag_values=fv)
   return fv
 
 
-def inspect_graph(source, signature=None, layer_depth=None):
-  """The inspect report as a dict (what `--format json` prints)."""
+def inspect_graph(source, signature=None, layer_depth=None, variables_from=None):
+  """The inspect report as a dict (what `--format json` prints).
+
+  variables_from: checkpoint or SavedModel with the variables of a graph file
+  written without their shapes (see graph/recover.py).
+  """
+  from absl import logging  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  graph_def = load_graph(source, signature=signature)
+  graph_def = load_graph(source, signature=signature, variables_from=variables_from)
   graph = Graph(graph_def)
   variables = find_variables(graph)
-  shapes = infer_shapes(graph, variables)
+  verbosity = logging.get_verbosity()
+  if any(v.shape is None for v in variables):
+    # Unknown shapes are reported once, by main(), not once per variable.
+    logging.set_verbosity(logging.ERROR)
+  try:
+    shapes = infer_shapes(graph, variables)
+  finally:
+    logging.set_verbosity(verbosity)
   report = detect_layers(graph, shapes, variables, depth=layer_depth)
   ops = collections.Counter(n.op for n in graph.nodes)
   var_rows = []
@@ -117,7 +133,14 @@ def main(argv):
   if len(positional) != 1:
     raise TfsplitError("expected one graph path; usage: tfsplit inspect GRAPH "
                        "[--format table|json]")
-  report = inspect_graph(positional[0], fv.signature, fv.layer_depth)
+  report = inspect_graph(positional[0], fv.signature, fv.layer_depth, fv.variables)
+  unknown = [v["name"] for v in report["variables"] if v["shape"] is None]
+  if unknown:
+    sys.stderr.write(
+        f"tfsplit inspect: note: {len(unknown)} of {len(report['variables'])} variables "
+        f"have no known shape ({', '.join(unknown[:3])}{', ...' if len(unknown) > 3 else ''}"
+        "); pass --variables PATH (a checkpoint or SavedModel holding them), or load the "
+        "graph from its tf.function\n")
   text = (json.dumps(report, indent=1) + "\n" if fv.format == "json"
           else render_table(report, fv.top_ops))
   if fv.output:

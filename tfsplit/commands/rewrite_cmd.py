@@ -4,8 +4,6 @@ Splits a graph over a device mesh and writes the rewritten GraphDef and, beside
 it, its shard manifest (OUT without extension + '.manifest.json'). Both are
 written atomically, and only after the whole rewrite succeeded.
 """
-import json
-import os
 import sys
 import time
 
@@ -39,6 +37,10 @@ def _define_flags():
   flags.DEFINE_float("collective_timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
   flags.DEFINE_string("signature", None, "SavedModel signature to load.", flag_values=fv)
+  flags.DEFINE_string("variables", None, "Checkpoint prefix or SavedModel directory to "
+                      "take the shapes and names of IN's variables from, when IN was "
+                      "written without them (tf.io.write_graph of a function's graph).",
+                      flag_values=fv)
   return fv
 
 
@@ -49,11 +51,6 @@ def parse_annotation(text):
                        "'*/fc1/kernel=-,tp'")
   return pattern, tuple(None if d.strip() in ("-", "", "none") else d.strip()
                         for d in dims.split(","))
-
-
-def manifest_path(output):
-  base, _ = os.path.splitext(output)
-  return base + ".manifest.json"
 
 
 def main(argv):
@@ -67,9 +64,12 @@ def main(argv):
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.graph.io import save_graph, write_atomically  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.split_pass import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  graph_def = load_graph(positional[0], signature=fv.signature)
+  graph_def = load_graph(positional[0], signature=fv.signature, variables_from=fv.variables)
+  from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
+  recover.require_variable_shapes(graph_def, positional[0])
   axes = Mesh.parse(fv.mesh).axes
   if fv.stages > 1:
     if "pp" in axes:
@@ -93,14 +93,10 @@ def main(argv):
   result = split_graph(graph_def, mesh, strategy=fv.strategy, annotations=annotations,
                        timeout_seconds=fv.collective_timeout, microbatches=fv.microbatches,
                        schedule=fv.schedule, layer_ranges=layer_ranges)
-  manifest = {"mesh": dict(mesh.axes), "devices": mesh.devices,
-              "microbatches": fv.microbatches,
-              "source": os.path.abspath(positional[0]), "variables": result.manifest,
-              "outputs": result.output_copies}
   # Serialize both before writing either, so a failure leaves no output.
-  manifest_text = json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+  manifest_text = result.manifest_json(source=positional[0])
   save_graph(result.graph_def, fv.output)
-  write_atomically(manifest_path(fv.output), manifest_text)
+  write_atomically(manifest_lib.manifest_path(fv.output), manifest_text)
   split_vars = sum(1 for e in result.manifest.values() if any(e["sharding"]))
   sys.stdout.write(
       f"rewrote {positional[0]} over mesh {mesh} ({fv.strategy}) in "
@@ -109,12 +105,12 @@ def main(argv):
       f"{len(result.manifest)} variables split\n"
       + (f"  pipeline: {len(result.partition)} stages {result.partition}, "
          f"{fv.schedule} over {fv.microbatches} micro-batches\n"
-         if getattr(result, "partition", None) else "") +
+         if result.partition else "") +
       f"  collectives: {result.count('all_reduce')} all-reduce, "
       f"{result.count('local_sum')} micro-batch sums, "
       f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} fallback(s) to "
       "replication\n")
   for msg in result.fallbacks:
     sys.stdout.write(f"  fallback: {msg}\n")
-  sys.stdout.write(f"wrote {fv.output} and {manifest_path(fv.output)}\n")
+  sys.stdout.write(f"wrote {fv.output} and {manifest_lib.manifest_path(fv.output)}\n")
   return 0

@@ -33,19 +33,14 @@ def main(argv):
     raise TfsplitError(f"{e}; usage: tfsplit trace GRAPH -o trace.json") from None
   if len(positional) != 1 or not fv.output:
     raise TfsplitError("usage: tfsplit trace GRAPH -o trace.json [--manifest M]")
-  import json  # pylint: disable=import-outside-toplevel
-  from tfsplit.commands.rewrite_cmd import manifest_path  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import Graph, load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import verify as verify_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(positional[0])
-  path = fv.manifest or manifest_path(positional[0])
-  data = None
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
+  data = manifest_lib.find(positional[0], fv.manifest)
   manifest = data["variables"] if data else None
   verify_lib.ensure_logical_devices(verify_lib.required_devices(graph_def))
   values = session_lib.seeded_values(graph_def, manifest, fv.seed)
@@ -59,17 +54,9 @@ def main(argv):
   events = session_lib.op_events(metadata)
   labels = {}
   if data:
-    roles = detect_layers(Graph(source_graph)).role
-    mesh = Mesh(data["mesh"], data["devices"])
-    for _, name, _, _ in events:
-      origin = session_lib.local_node_origin(name)
-      if origin is None or origin[1] >= mesh.size:
-        continue
-      role = roles.get(origin[0])
-      j = mesh.coord(origin[1], "mb") if "mb" in mesh.axes else 0
-      if role in ("forward", "backward"):
-        kind = "F" if role == "forward" else "B"
-        labels[name] = (kind, f"{kind}{j}")
+    mesh = Mesh(data["mesh"], data["devices"]).with_microbatches(data.get("microbatches", 1))
+    labels = session_lib.microbatch_labels(events, detect_layers(Graph(source_graph)).role,
+                                           mesh, graph_def)
   session_lib.write_chrome_trace(events, fv.output, labels)
   sys.stdout.write(f"traced {len(events)} op executions on "
                    f"{len({e[0] for e in events})} devices; wrote {fv.output}\n")

@@ -4,7 +4,6 @@ Runs both graphs on the same seeded variables and inputs (on logical CPU
 devices) and prints the largest absolute and relative errors. Exit code 0
 when they match within --rtol, 1 when they do not, 2 on bad input.
 """
-import os
 import sys
 
 from absl import flags
@@ -30,6 +29,9 @@ def _define_flags():
                        "(default: the smallest embedding table).", flag_values=fv)
   flags.DEFINE_boolean("all", False, "Show every variable, not only the worst.",
                        flag_values=fv)
+  flags.DEFINE_string("variables", None, "Checkpoint prefix or SavedModel directory "
+                      "ORIGINAL's variable shapes and names come from (the one given "
+                      "to tfsplit rewrite --variables).", flag_values=fv)
   return fv
 
 
@@ -47,12 +49,11 @@ def main(argv):
   # which the logical devices the rewritten graph needs can no longer be made.
   rewritten = load_graph(positional[1])
   verify_lib.ensure_logical_devices(verify_lib.required_devices(rewritten))
-  original = load_graph(positional[0], signature=fv.signature)
-  manifest = fv.manifest
-  if manifest is None:
-    from tfsplit.commands.rewrite_cmd import manifest_path  # pylint: disable=import-outside-toplevel
-    candidate = manifest_path(positional[1])
-    manifest = candidate if os.path.exists(candidate) else None
+  original = load_graph(positional[0], signature=fv.signature, variables_from=fv.variables)
+  from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
+  recover.require_variable_shapes(original, positional[0])
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+  manifest = manifest_lib.find(positional[1], fv.manifest)
   report = verify_lib.verify(original, rewritten, manifest, steps=fv.steps, seed=fv.seed,
                              rtol=fv.rtol, int_max=fv.int_max,
                              update_rtol=fv.update_rtol)

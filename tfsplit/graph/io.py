@@ -16,40 +16,20 @@ from google.protobuf import message as proto_message
 from google.protobuf import text_format
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
-from tensorflow.python.framework import op_def_registry
 
-from tfsplit.errors import GraphLoadError, GraphValidationError
+from tfsplit.errors import GraphLoadError
+from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.functions import inline_functions
-from tfsplit.graph.ir import Graph, without_gc
+from tfsplit.graph.ir import without_gc
 
 TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
 
 
 # --- validation ----------------------------------------------------------------
-def validate_graph_def(graph_def, source="graph"):
-  """Raises GraphValidationError if `graph_def` cannot be a runnable graph."""
-  graph = Graph(graph_def)  # duplicate names are refused here
-  library = {f.signature.name for f in graph_def.library.function}
-  for node in graph.nodes:
-    if not node.name:
-      raise GraphValidationError(f"{source}: a node (op {node.op}) has no name")
-    if not node.op:
-      raise GraphValidationError(f"{source}: node '{node.name}' has no op")
-    if node.op not in library and op_def_registry.get(node.op) is None:
-      raise GraphValidationError(
-          f"{source}: node '{node.name}' uses op '{node.op}', which this "
-          "TensorFlow does not know (a custom op? load its library with "
-          "tf.load_op_library before tfsplit, or check the TF version)")
-  dangling = graph.dangling_inputs()
-  if dangling:
-    node, text = dangling[0]
-    raise GraphValidationError(
-        f"{source}: node '{node.name}' (op {node.op}) reads '{text}', but no "
-        f"node '{text.lstrip('^').split(':')[0]}' exists ({len(dangling)} "
-        "dangling input(s)); the graph is incomplete")
-  graph.topological_order()  # raises on a cycle
-  return graph
+# The checks live in validate.py (everything TF's importer refuses, then the
+# importer itself); re-exported here for load_graph and older callers.
+validate_graph_def = validate_lib.validate_graph_def
 
 
 # --- files -----------------------------------------------------------------------
@@ -197,13 +177,17 @@ def _is_tf_function(obj):
 
 @without_gc
 def load_graph(source, signature=None, input_signature=None, inline=True,
-               validate=True, variable_names=None):
+               validate=True, variable_names=None, variables_from=None):
   """Loads `source` as a flat, validated, annotated GraphDef (see module doc).
 
   variable_names: [(variable, unique name)] for functions whose variables do
   not have unique names (Keras 3 models: use `var.path`).
+  variables_from: a checkpoint prefix or SavedModel directory to take the
+  shapes and names of a graph file's unannotated captured variables from
+  (graph/recover.py; without it they are recovered from the graph alone).
   """
   label = "graph"
+  from_file = False
   if isinstance(source, graph_pb2.GraphDef):
     graph_def = graph_pb2.GraphDef()
     graph_def.CopyFrom(source)
@@ -211,6 +195,7 @@ def load_graph(source, signature=None, input_signature=None, inline=True,
     path = os.fspath(source)
     label = path
     graph_def = _read_graph_file(path)
+    from_file = graph_def is not None
     if graph_def is None:
       graph_def = _from_concrete_function(_load_saved_model(path, signature))
   elif _is_tf_function(source):
@@ -236,6 +221,11 @@ def load_graph(source, signature=None, input_signature=None, inline=True,
     graph_def = inline_functions(graph_def)
     if validate:
       validate_graph_def(graph_def, label)
+  if from_file:
+    # A graph written the plain TF way: recover what tfsplit would have recorded.
+    from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
+    if variables_from is not None or recover.needs_recovery(graph_def):
+      recover.recover(graph_def, variables_from)
   return graph_def
 
 

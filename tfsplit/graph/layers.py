@@ -22,21 +22,17 @@ kept, or recomputed, between forward and backward).
 """
 import collections
 import dataclasses
-import re
 from typing import Dict, List, Optional
 
+from tfsplit import constants
+from tfsplit.constants import BACKWARD, FORWARD, ROLES, UPDATE
 from tfsplit.graph import flops as flops_lib
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph, parse_input, without_gc
 
-FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 TOP_LAYER = "(top)"          # forward ops above the layer scopes (e.g. the loss)
 OPTIMIZER_LAYER = "(optimizer)"  # update ops shared by all layers
-_GRAD_PREFIX = re.compile(r"^(gradient_tape|gradients(_\d+)?)/")
-_WRITE_OPS_PREFIX = ("Assign", "ResourceApply", "ResourceSparseApply",
-                     "ResourceScatter")
 _MAX_GRADIENT_SEARCH = 256
-_VAR_READ_OPS = frozenset(["ReadVariableOp", "ResourceGather"])
 _NOT_ACTIVATIONS = frozenset(["Const", "ReadVariableOp", "VarHandleOp",
                               "Placeholder", "Shape", "ShapeN", "Size", "Rank"])
 
@@ -59,7 +55,7 @@ class Layer:
 
   def as_dict(self):
     d = dataclasses.asdict(self)
-    for key in ("forward", "backward", "update"):
+    for key in ROLES:
       d[key + "_ops"] = len(d.pop(key))
     return d
 
@@ -82,7 +78,7 @@ class LayerReport:
 
 
 def _strip_grad(name):
-  m = _GRAD_PREFIX.match(name)
+  m = constants.gradient_scope_match(name)
   return (name[m.end():], True) if m else (name, False)
 
 
@@ -91,7 +87,7 @@ def _scope(name):
 
 
 def _is_write(node):
-  return node.op.startswith(_WRITE_OPS_PREFIX) and node.op not in ("Assert",)
+  return constants.is_write_op(node.op)
 
 
 def graph_outputs(graph):
@@ -179,7 +175,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   reader_scopes = []
   for name in order:
     node = graph.node(name)
-    if role[name] == FORWARD and node.op in _VAR_READ_OPS and node.input and \
+    if role[name] == FORWARD and node.op in constants.VARIABLE_READ_OPS and node.input and \
         is_trainable_handle(parse_input(node.input[0])[0]):
       reader_scopes.append(_scope(stripped[name]))
   if depth is None:
@@ -211,7 +207,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   variable_layer = {}
   for name in order:
     node = graph.node(name)
-    if role[name] == FORWARD and node.op in _VAR_READ_OPS and node.input:
+    if role[name] == FORWARD and node.op in constants.VARIABLE_READ_OPS and node.input:
       src = parse_input(node.input[0])[0]
       if src in var_nodes and src not in variable_layer:
         variable_layer[src] = layer_of[name]

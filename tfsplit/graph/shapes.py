@@ -20,7 +20,7 @@ from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.grappler import item as grappler_item
 
-from tfsplit.errors import GraphValidationError
+from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.grappler import metagraph_fetching_sinks
 from tfsplit.graph.ir import Graph, parse_input, without_gc
@@ -86,6 +86,9 @@ def _tensor_info(props):
   return TensorInfo(props.dtype, dims)
 
 
+_SHAPE_SOURCE = "/_tfsplit_shape_source"  # suffix of the copy's added nodes
+
+
 def _inference_copy(graph, var_shapes):
   """A GraphDef for inference: captures become VarHandleOps, no devices."""
   out = graph_pb2.GraphDef()
@@ -108,7 +111,7 @@ def _inference_copy(graph, var_shapes):
       # Grappler treats placeholders as feeds and forgets their batch size;
       # a read of a variable with the same shape keeps every dimension.
       handle = out.node.add()
-      handle.name = node.name + "/_tfsplit_shape_source"
+      handle.name = node.name + _SHAPE_SOURCE
       handle.op = "VarHandleOp"
       handle.attr["dtype"].type = node.attr["dtype"].type
       handle.attr["shape"].CopyFrom(node.attr["shape"])
@@ -131,10 +134,13 @@ def _run_inference(graph, var_shapes):
     item = grappler_item.Item(metagraph, ignore_colocation=True,
                               ignore_user_placement=True)
     props = item.GetOpProperties()
-  except (tf_errors.OpError, ValueError) as e:
-    raise GraphValidationError(
-        f"TensorFlow's shape inference rejected the graph: "
-        f"{str(e).splitlines()[0]}") from None
+  except (tf_errors.OpError, ValueError, RuntimeError, TypeError) as e:
+    def original(node):  # the user's node for a node of the private copy
+      return graph.get(node.name[:-len(_SHAPE_SOURCE)]
+                       if node.name.endswith(_SHAPE_SOURCE) else node.name)
+    raise validate_lib.tf_error(e, metagraph.graph_def,
+                                "TensorFlow's shape inference rejected it",
+                                rename=original) from None
   return props
 
 
@@ -171,7 +177,7 @@ def infer_shapes(graph, variables=None):
     props = _run_inference(graph, var_shapes)
     shapes = ShapeMap({name: [_tensor_info(p) for p in outs]
                        for name, outs in props.items()})
-  for name in [n for n in shapes.by_node if n.endswith("/_tfsplit_shape_source")]:
+  for name in [n for n in shapes.by_node if n.endswith(_SHAPE_SOURCE)]:
     del shapes.by_node[name]
   for node in graph.nodes:  # nodes Grappler skipped (none expected)
     if node.name not in shapes.by_node:

@@ -5,7 +5,8 @@ nodes (its captures), which carry neither the variable's name, nor its shape,
 nor its dtype. When tfsplit loads a ConcreteFunction it records these on the
 placeholder as private attrs (below), so the information survives a round
 trip through a .pb file. For placeholders without them (a graph.pb written by
-someone else) dtype and shape are recovered from the ops that use the handle.
+someone else) graph/recover.py recovers them when the file is loaded; failing
+that, dtype and shape come from the ops that use the handle.
 """
 import dataclasses
 from typing import Optional, Tuple
@@ -120,8 +121,15 @@ def find_variables(graph):
                           "captured", node.attr[VAR_TRAINABLE_ATTR].b
                           if VAR_TRAINABLE_ATTR in node.attr else None)
     else:
-      info = VariableInfo(node.name, node.name, _dtype_from_users(graph, node),
-                          None, "captured")
+      # No shape recorded (graph/recover.py found none): keep what it did find.
+      attrs = node.attr
+      info = VariableInfo(
+          node.name,
+          attrs[VAR_NAME_ATTR].s.decode() if VAR_NAME_ATTR in attrs else node.name,
+          attrs[VAR_DTYPE_ATTR].type if VAR_DTYPE_ATTR in attrs
+          else _dtype_from_users(graph, node),
+          None, "captured",
+          attrs[VAR_TRAINABLE_ATTR].b if VAR_TRAINABLE_ATTR in attrs else None)
     found.append(info)
   return found
 

@@ -19,7 +19,9 @@ for the previous block's exit nodes, which enforces the order exactly:
 """
 import collections
 
+from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.graph.ir import parse_input
 
 
 class Schedule(object):
@@ -65,6 +67,9 @@ class OneFOneB(Schedule):
 
 
 SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB}
+# Marks the NoOp barriers a schedule adds (a runner gives such graphs one
+# Grappler round: the second round drops schedule edges).
+SCHEDULE_BARRIER_ATTR = "_tfsplit_schedule_barrier"
 # Nodes that do no per-micro-batch work (and may not take control inputs that
 # force them to run, like a fed placeholder).
 _NOT_SCHEDULED = frozenset(["Placeholder", "VarHandleOp", "Const", "NoOp"])
@@ -77,30 +82,45 @@ def get_schedule(name):
   return SCHEDULES[name]()
 
 
-def micro_batch_sets(graph_def, meta, shared, roles, stage_of, mesh, after_update=()):
+def waiting_for_updates(graph, roles):
+  """Original nodes that (through control edges) wait for an update op: they
+  end the step (a train step's returned loss), outside every micro-batch."""
+  waiting = set()
+  for name in graph.topological_order():
+    for text in graph.node(name).input:
+      src = parse_input(text)[0]
+      if (text.startswith("^") and roles.get(src) == constants.UPDATE) or src in waiting:
+        waiting.add(name)
+        break
+  return waiting
+
+
+def micro_batch_sets(graph_def, records, roles, mesh, after_update=()):
   """{(device id, j): {'F_in': set, 'F_out': set, 'B_in': set, 'B_out': set}}.
 
-  meta: local node -> (original node, device id); shared: local nodes serving
-  all micro-batches (not part of any one); roles: original node -> role;
-  after_update: original nodes that wait for the optimizer's updates (a train
-  step's returned loss): they end the step, outside every micro-batch.
+  records: local node -> NodeRecord (original node, device id, shared: serves
+  all micro-batches, not part of any one); roles: original node -> role;
+  after_update: original nodes that wait for the optimizer's updates.
   """
   after_update = set(after_update)
   nodes = {n.name: n for n in graph_def.node}
+  mb = constants.MICROBATCH_AXIS
   key_of = {}
-  for name, (original, d) in meta.items():
-    if name in shared or name not in nodes or nodes[name].op in _NOT_SCHEDULED:
+  for name, record in records.items():
+    if record.shared or record.device_id is None or name not in nodes or \
+        nodes[name].op in _NOT_SCHEDULED:
       continue
-    role = roles.get(original)
-    if original in after_update or role not in ("forward", "backward", "update"):
+    role = roles.get(record.source)
+    if record.source in after_update or role not in constants.ROLES:
       continue
-    if role == "update":
+    if role == constants.UPDATE:
       # A per-micro-batch copy of an optimizer op (a sparse embedding update
       # summing its gradient rows) finishes that micro-batch's backward; in a
       # block, its running sum is tied down and Grappler cannot merge it into
       # one AddN that keeps every micro-batch's copy alive.
-      role = "backward"
-    key_of[name] = (d, mesh.coord(d, "mb") if "mb" in mesh.axes else 0, role)
+      role = constants.BACKWARD
+    d = record.device_id
+    key_of[name] = (d, mesh.coord(d, mb) if mb in mesh.axes else 0, role)
   sets = collections.defaultdict(lambda: {"F_in": set(), "F_out": set(),
                                           "B_in": set(), "B_out": set(),
                                           "F": set(), "B": set()})
@@ -114,7 +134,7 @@ def micro_batch_sets(graph_def, meta, shared, roles, stage_of, mesh, after_updat
     same = [key_of.get(t.split(":")[0]) for t in node.input if not t.startswith("^")]
     has_same_input = any(k == (d, j, role) for k in same)
     has_same_consumer = any(key_of.get(c) == (d, j, role) for c in consumers[name])
-    tag = "F" if role == "forward" else "B"
+    tag = constants.BLOCK_OF_ROLE[role]
     sets[(d, j)][tag].add(name)
     if not has_same_input:
       sets[(d, j)][tag + "_in"].add(name)
@@ -132,7 +152,8 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
   every op of the block, and every op of the next block (not only its entry
   ops) waits for that barrier.
   """
-  if "mb" not in mesh.axes:
+  mb, pp = constants.MICROBATCH_AXIS, constants.PIPELINE_AXIS
+  if mb not in mesh.axes:
     return 0  # one micro-batch: nothing to order
   nodes = {n.name: n for n in graph_def.node}
   barriers = {}
@@ -148,18 +169,19 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
         name = f"pipeline_barrier/{kind}{j}/device_{d}"
         node = graph_def.node.add(name=name, op="NoOp", device=nodes[members[0]].device,
                                   input=["^" + m for m in members])
+        node.attr[SCHEDULE_BARRIER_ATTR].b = True
         nodes[name] = node
         barriers[key] = name
     return barriers[key]
 
   for d in sorted({d for d, _ in sets}):
     coords = mesh.coords(d)
-    if coords["mb"] != 0:
+    if coords[mb] != 0:
       continue
-    stage = coords["pp"] if "pp" in coords else 0
+    stage = coords[pp] if pp in coords else 0
     for waiting_kind, j, waited_kind, i in schedule.edges(stage, stages, microbatches):
-      dj = mesh.device_id({**coords, "mb": j})
-      di = mesh.device_id({**coords, "mb": i})
+      dj = mesh.device_id({**coords, mb: j})
+      di = mesh.device_id({**coords, mb: i})
       name = barrier(di, i, waited_kind[0])
       if name is None:
         continue

@@ -27,6 +27,7 @@ PRODUCTS = {"Mul": None, "MulNoNan": None, "RealDiv": (0,), "Div": (0,),
             "GeluGrad": (0,), "LeakyReluGrad": (0,), "SoftplusGrad": (0,),
             "TanhGrad": (1,), "SigmoidGrad": (1,), "RsqrtGrad": (1,),
             "SqrtGrad": (1,), "InvGrad": (1,), "ReciprocalGrad": (1,)}
+_FLOAT_TYPES = (1, 2, 19, 14, 8, 18)  # float, double, half, bfloat16, complex64/128
 NONLINEAR = ("Maximum", "Minimum", "Pow", "SquaredDifference", "Greater",
              "GreaterEqual", "Less", "LessEqual", "Equal", "NotEqual",
              "LogicalAnd", "LogicalOr", "SelectV2", "FloorMod", "Mod",
@@ -124,7 +125,10 @@ def sums(ctx):
 
 @register(*PRODUCTS)
 def products(ctx):
-  return broadcast_decision(ctx, PRODUCTS[ctx.node.op])
+  linear = PRODUCTS[ctx.node.op]
+  if ctx.node.op in ("Div", "RealDiv") and ctx.node.attr["T"].type not in _FLOAT_TYPES:
+    linear = ()  # integer division truncates: not linear in the numerator
+  return broadcast_decision(ctx, linear)
 
 
 @register(*NONLINEAR)

@@ -12,14 +12,16 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
+from tfsplit import constants
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import Graph, find_variables
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import write_atomically
 from tfsplit.graph.layers import graph_outputs
+from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.runtime.graph_function import graph_inputs
+from tfsplit.sharding.builder import read_records
 
-_SHARD_RE = re.compile(r"^(.*)/shard_(\d+)$")
 
 
 def with_variable_handles(graph_def):
@@ -105,7 +107,7 @@ def session_config(graph_def, num_cpus=None):
   from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
   config = tf.compat.v1.ConfigProto(
       device_count={"CPU": num_cpus or _cpu_count(graph_def)}, allow_soft_placement=False)
-  if any(n.name.startswith("pipeline_barrier/") for n in graph_def.node):
+  if any(SCHEDULE_BARRIER_ATTR in n.attr for n in graph_def.node):
     config.graph_options.rewrite_options.meta_optimizer_iterations = (
         rewriter_config_pb2.RewriterConfig.ONE)
   return config
@@ -152,47 +154,40 @@ def write_chrome_trace(events, path, labels=None):
   write_atomically(path, json.dumps(chrome_trace(events, labels)))
 
 
-def local_node_origin(name):
-  """('orig', device id) for a materialized node 'orig/shard_d' (else None)."""
-  m = _SHARD_RE.match(name)
-  if not m:
-    return None
-  return m.group(1), int(m.group(2))
-
-
 def microbatch_blocks(events, roles, mesh, graph_def):
   """{stage: [(('F'|'B', j), start, end)] sorted by start} from op events.
 
-  roles: original node -> 'forward'/'backward'; graph_def: the rewritten
-  graph. The stage and micro-batch of an op come from its name (orig/shard_d)
-  and the mesh. Only ops that do per-micro-batch work count: ops with data
-  inputs that exist once per micro-batch (constants and ops shared by all
-  micro-batches run whenever their inputs allow).
+  roles: original node -> role; mesh: the materialized mesh (with its 'mb'
+  axis); graph_def: the rewritten graph, whose node records (stamped by the
+  split) give each op's original node and device. Only ops that do
+  per-micro-batch work count: ops with data inputs that exist once per
+  micro-batch (constants and ops shared by all micro-batches run whenever
+  their inputs allow), on the first device of every other axis.
   """
+  mb, pp = constants.MICROBATCH_AXIS, constants.PIPELINE_AXIS
+  records = read_records(graph_def)
   copies = {}
   for node in graph_def.node:
-    origin = local_node_origin(node.name)
-    if origin is None or origin[1] >= mesh.size or node.op == "Const" or not any(
+    record = records.get(node.name)
+    if record is None or record.device_id >= mesh.size or node.op == "Const" or not any(
         not t.startswith("^") for t in node.input):
       continue
-    j = mesh.coord(origin[1], "mb") if "mb" in mesh.axes else 0
-    copies.setdefault(origin[0], set()).add(j)
+    copies.setdefault(record.source, set()).add(
+        mesh.coord(record.device_id, mb) if mb in mesh.axes else 0)
   spans = {}
   for _, name, start, end in events:
-    origin = local_node_origin(name)
-    if origin is None:
+    record = records.get(name)
+    if record is None or record.device_id >= mesh.size:
       continue
-    orig, d = origin
-    if orig not in copies or ("mb" in mesh.axes and len(copies[orig]) < 2):
+    if record.source not in copies or (mb in mesh.axes and len(copies[record.source]) < 2):
       continue
-    role = roles.get(orig)
-    if role not in ("forward", "backward") or d >= mesh.size:
+    block = constants.BLOCK_OF_ROLE.get(roles.get(record.source))
+    d = record.device_id
+    if block is None or any(mesh.coord(d, a) != 0 for a in mesh.axis_names
+                            if a not in (mb, pp)):
       continue
-    stage = mesh.coord(d, "pp") if "pp" in mesh.axes else 0
-    j = mesh.coord(d, "mb") if "mb" in mesh.axes else 0
-    if any(a in mesh.axes and mesh.coord(d, a) != 0 for a in ("dp", "tp")):
-      continue
-    key = (stage, ("F" if role == "forward" else "B", j))
+    key = (mesh.coord(d, pp) if pp in mesh.axes else 0,
+           (block, mesh.coord(d, mb) if mb in mesh.axes else 0))
     lo, hi = spans.get(key, (start, end))
     spans[key] = (min(lo, start), max(hi, end))
   blocks = {}
@@ -201,6 +196,20 @@ def microbatch_blocks(events, roles, mesh, graph_def):
   for stage in blocks:
     blocks[stage].sort(key=lambda b: (b[1], b[2]))
   return blocks
+
+
+def microbatch_labels(events, roles, mesh, graph_def):
+  """{node: ('F'|'B', 'F3')} for the ops of forward/backward micro-batch work."""
+  mb = constants.MICROBATCH_AXIS
+  records, labels = read_records(graph_def), {}
+  for _, name, _, _ in events:
+    record = records.get(name)
+    block = constants.BLOCK_OF_ROLE.get(roles.get(record.source)) if record else None
+    if block is None or record.device_id >= mesh.size:
+      continue
+    j = mesh.coord(record.device_id, mb) if mb in mesh.axes else 0
+    labels[name] = (block, f"{block}{j}")
+  return labels
 
 
 def seeded_values(graph_def, manifest=None, seed=0):

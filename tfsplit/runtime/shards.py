@@ -5,33 +5,12 @@ variable, its global shape and, per device, the shard's name, device,
 offsets and shape. These helpers use it to create shard variables from full
 values (or a checkpoint), and to put full values back together.
 """
-import json
 
 import numpy as np
 import tensorflow as tf
 
 from tfsplit.errors import DivergedCopiesError, TfsplitError
 from tfsplit.runtime import compare as compare_lib
-
-
-def read_manifest(path):
-  """The whole manifest file: {"variables": {...}, "outputs": {...}, ...}."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      data = json.load(f)
-  except (OSError, ValueError) as e:
-    raise TfsplitError(f"{path}: cannot read the shard manifest ({e})") from None
-  if not isinstance(data, dict) or not isinstance(data.get("variables", data), dict):
-    raise TfsplitError(f"{path}: not a shard manifest (no 'variables' mapping); give the "
-                       "'.manifest.json' written by tfsplit rewrite")
-  if "variables" not in data:  # a bare {variable: entry} mapping
-    data = {"variables": data}
-  return data
-
-
-def load_manifest(path):
-  """{variable: shard entry} from a manifest file."""
-  return read_manifest(path)["variables"]
 
 
 def _slices(shard):

@@ -18,7 +18,7 @@ from tfsplit.graph.io import load_graph
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import import_graph
 from tfsplit.sharding.mesh import Mesh
-from tfsplit.sharding.split_pass import split_graph
+from tfsplit.passes import split_graph
 
 
 def available_devices():

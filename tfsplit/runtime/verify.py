@@ -16,6 +16,7 @@ import tensorflow as tf
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import Graph, find_variables, load_graph
 from tfsplit.graph.layers import graph_outputs
+from tfsplit.passes import manifest as manifest_lib
 from tfsplit.runtime import compare as compare_lib
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import graph_inputs, import_graph
@@ -135,7 +136,7 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   original = load_graph(original) if not hasattr(original, "node") else original
   rewritten = load_graph(rewritten) if not hasattr(rewritten, "node") else rewritten
   if isinstance(manifest, str):
-    manifest = shards_lib.read_manifest(manifest)
+    manifest = manifest_lib.read(manifest)
   output_copies = {}
   if manifest is not None and isinstance(manifest.get("variables"), dict):
     output_copies = manifest.get("outputs") or {}

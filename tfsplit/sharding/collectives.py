@@ -1,4 +1,4 @@
-"""NodeDefs for TF's collective ops (CollectiveReduceV2, CollectiveGatherV2).
+"""NodeDefs for TF's collective ops (all-reduce, reduce-scatter, gather, all-to-all).
 
 Templates are taken from TF itself once (so every required attr has its
 current default), then filled in with names, devices, inputs and keys.
@@ -20,10 +20,15 @@ def _template(op):
                                     ordering_token=[], merge_op="Add", final_op="Id",
                                     communication_hint="auto",
                                     timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
-    elif op == "CollectiveGatherV2":
-      tf.raw_ops.CollectiveGatherV2(input=x, group_size=2, group_key=1, instance_key=1,
-                                    ordering_token=[], communication_hint="auto",
-                                    timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+    elif op == "CollectiveReduceScatterV2":
+      tf.raw_ops.CollectiveReduceScatterV2(input=x, group_size=2, group_key=1,
+                                           instance_key=1, ordering_token=[], merge_op="Add",
+                                           final_op="Id", communication_hint="auto",
+                                           timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+    elif op in ("CollectiveGatherV2", "CollectiveAllToAllV2"):
+      getattr(tf.raw_ops, op)(input=x, group_size=2, group_key=1, instance_key=1,
+                              ordering_token=[], communication_hint="auto",
+                              timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
     else:
       raise ValueError(op)
     node = next(n for n in g.as_graph_def().node if n.op == op)

@@ -14,6 +14,7 @@ import numpy as np
 from absl import logging
 from tensorflow.core.framework import types_pb2
 
+from tfsplit import constants
 from tfsplit import rules as rules_lib
 from tfsplit.errors import PlanError, UnsupportedOpError
 from tfsplit.graph import variables as variables_lib
@@ -166,3 +167,57 @@ def _decide(ctx, fallbacks):
     logging.warning("fallback to replication: %s", msg)
     fallbacks.append(msg)
   return decision
+
+
+_MAX_VARIABLE_ROUNDS = 4
+
+
+def infer_variable_specs(graph, prop, variables, explicit):
+  """Shardings for variables the plan left open, read off the ops using them.
+
+  A bias added to a column-split activation is required split by its
+  BiasAdd; an Adam moment is updated with a split gradient. Adopting that
+  sharding keeps the variable local instead of gathering its updates.
+  """
+  candidates = {v.node: set() for v in variables if v.node not in explicit and v.shape}
+  for node in graph.nodes:
+    decision = prop.decisions.get(node.name)
+    if decision is None:
+      continue
+    data = [t for t in node.input if not t.startswith("^")]
+    for j, text in enumerate(data):
+      src, _ = parse_input(text)
+      src_node = graph.node(src)
+      if src_node.op == "ReadVariableOp":
+        handle = prop.handle_source.get(parse_input(src_node.input[0])[0])
+        if handle in candidates and j < len(decision.inputs) and decision.inputs[j]:
+          candidates[handle].add(decision.inputs[j].dims)
+      if node.op in constants.ASSIGN_OPS and j == 1:
+        handle = prop.handle_source.get(parse_input(data[0])[0])
+        value = prop.spec(text)
+        if handle in candidates and value is not None:
+          candidates[handle].add(value.dims)
+  found = {}
+  for handle, dims_set in candidates.items():
+    split = {d for d in dims_set if any(a is not None for a in d)}
+    if len(split) == 1:
+      found[handle] = split.pop()
+  return found
+
+
+def propagate_with_variables(graph, shapes, mesh, variable_specs, input_specs, variables,
+                             explicit):
+  """propagate(), with the shardings of variables the plan left open (biases,
+  optimizer slots) adopted from their users until they settle."""
+  specs, explicit, hint = dict(variable_specs), dict(explicit), ()
+  for _ in range(_MAX_VARIABLE_ROUNDS):
+    prop = propagate(graph, shapes, mesh, specs, input_specs, hint)
+    hint = set(prop.reduced_at_source)
+    inferred = infer_variable_specs(graph, prop, variables, explicit)
+    changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
+    if not changed:
+      return prop
+    for handle, dims in changed.items():
+      specs[handle] = Sharding(tuple(dims))
+      explicit[handle] = dims
+  raise PlanError("variable shardings did not settle; annotate the variables")

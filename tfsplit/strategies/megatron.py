@@ -15,6 +15,7 @@ import collections
 
 from absl import logging
 
+from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph.ir import Graph, parse_input
 from tfsplit.rules.matmul import _einsum_letters
@@ -76,9 +77,9 @@ def find_weight_contractions(graph, shapes, variables, roles=None):
   found = []
   for name in graph.topological_order():
     node = graph.node(name)
-    if node.op not in CONTRACTIONS or name.startswith(("gradient_tape/", "gradients/")):
+    if node.op not in CONTRACTIONS or constants.is_gradient_name(name):
       continue
-    if roles is not None and roles.get(name) != "forward":
+    if roles is not None and roles.get(name) != constants.FORWARD:
       continue
     data = [t for t in node.input if not t.startswith("^")]
     for i, text in enumerate(data[:2]):
@@ -89,7 +90,7 @@ def find_weight_contractions(graph, shapes, variables, roles=None):
   return found
 
 
-def megatron_plan(graph, shapes, variables, axis="tp", mesh=None, roles=None):
+def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=None, roles=None):
   """{variable handle node: dims tuple} for the megatron preset."""
   if not isinstance(graph, Graph):
     graph = Graph(graph)
@@ -103,9 +104,9 @@ def megatron_plan(graph, shapes, variables, axis="tp", mesh=None, roles=None):
       cur = queue.popleft()
       for consumer in graph.consumer_nodes(cur):
         c = consumer.name
-        if c in seen or c.startswith(("gradient_tape/", "gradients/")):
+        if c in seen or constants.is_gradient_name(c):
           continue
-        if roles is not None and roles.get(c) != "forward":
+        if roles is not None and roles.get(c) != constants.FORWARD:
           continue
         seen.add(c)
         if c in by_node:

@@ -1,0 +1,41 @@
+"""Names shared across tfsplit: mesh axes, node roles, op families.
+
+One home for each, so a pass never spells a role or an axis as a literal.
+"""
+import re
+
+# --- mesh axes ------------------------------------------------------------------
+DATA_AXIS = "dp"          # replicas, each on a slice of the batch
+MICROBATCH_AXIS = "mb"    # micro-batches, run one after another on one device
+PIPELINE_AXIS = "pp"      # pipeline stages
+TENSOR_AXIS = "tp"        # operator splitting (Megatron)
+BATCH_AXES = (DATA_AXIS, MICROBATCH_AXIS)        # what splits the batch, outer first
+NON_MODEL_AXES = (DATA_AXIS, MICROBATCH_AXIS, PIPELINE_AXIS)
+
+# --- roles of the nodes of a training step ----------------------------------------
+FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
+ROLES = (FORWARD, BACKWARD, UPDATE)
+# Schedule block kinds: a forward (F) or backward (B) micro-batch block.
+BLOCK_OF_ROLE = {FORWARD: "F", BACKWARD: "B"}
+
+# --- op families ------------------------------------------------------------------
+ASSIGN_OPS = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])
+_WRITE_PREFIXES = ("Assign", "ResourceApply", "ResourceSparseApply", "ResourceScatter")
+VARIABLE_READ_OPS = frozenset(["ReadVariableOp", "ResourceGather"])
+
+# Gradient ops: GradientTape (TF2) or tf.gradients (TF1) scopes.
+_GRADIENT_SCOPE = re.compile(r"^(gradient_tape|gradients(_\d+)?)/")
+
+
+def is_write_op(op):
+  """True for ops that write a variable (assignments and optimizer applies)."""
+  return op.startswith(_WRITE_PREFIXES) and op != "Assert"
+
+
+def gradient_scope_match(name):
+  """The match of a gradient scope prefix at the start of `name`, or None."""
+  return _GRADIENT_SCOPE.match(name)
+
+
+def is_gradient_name(name):
+  return _GRADIENT_SCOPE.match(name) is not None

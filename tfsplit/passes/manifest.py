@@ -1,0 +1,66 @@
+"""The shard manifest: one schema, written by `rewrite`, read by `verify`,
+`trace` and `tfsplit.split`.
+
+    {"mesh": {"dp": 2, "tp": 2},          # the axes asked for
+     "devices": [...],                    # one device name per mesh position
+     "microbatches": 2, "schedule": "1f1b" | null, "stages": [[layer, ...], ...] | null,
+     "source": "/abs/path/in.pb" | null,
+     "variables": {name: {"dtype", "shape", "sharding", "shards": [
+         {"name", "device", "device_id", "offsets", "shape"}]}},
+     "outputs": {output: [[device, local tensor], ...]}}   # every whole copy
+"""
+import json
+import os
+
+from tfsplit.errors import TfsplitError
+from tfsplit.graph.io import write_atomically
+
+SUFFIX = ".manifest.json"
+
+
+def manifest_path(graph_path):
+  """Where the manifest of a rewritten graph lives: beside it."""
+  base, _ = os.path.splitext(graph_path)
+  return base + SUFFIX
+
+
+def build(result, source=None):
+  """The manifest dict of a SplitResult."""
+  config = result.config
+  return {"mesh": dict(config.mesh.axes), "devices": list(config.mesh.devices),
+          "microbatches": int(config.microbatches),
+          "schedule": config.schedule if config.stages > 1 else None,
+          "stages": result.partition,
+          "source": os.path.abspath(source) if source else None,
+          "variables": result.manifest, "outputs": result.output_copies}
+
+
+def dumps(manifest):
+  return json.dumps(manifest, indent=1, sort_keys=True) + "\n"
+
+
+def write(path, manifest):
+  write_atomically(path, dumps(manifest))
+
+
+def read(path):
+  """The whole manifest file (a bare {variable: entry} mapping is accepted)."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      data = json.load(f)
+  except (OSError, ValueError) as e:
+    raise TfsplitError(f"{path}: cannot read the shard manifest ({e})") from None
+  if not isinstance(data, dict) or not isinstance(data.get("variables", data), dict):
+    raise TfsplitError(f"{path}: not a shard manifest (no 'variables' mapping); give the "
+                       "'.manifest.json' written by tfsplit rewrite")
+  if "variables" not in data:
+    data = {"variables": data}
+  return data
+
+
+def find(graph_path, explicit=None):
+  """The manifest for a rewritten graph: `explicit`, else the one beside it, else None."""
+  if explicit:
+    return read(explicit)
+  candidate = manifest_path(graph_path)
+  return read(candidate) if os.path.exists(candidate) else None

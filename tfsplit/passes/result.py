@@ -1,0 +1,31 @@
+"""SplitResult: everything one split produced, complete at construction."""
+import dataclasses
+from typing import Dict, List, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitResult:
+  graph_def: object                    # the rewritten GraphDef
+  manifest: Dict[str, dict]            # variable -> its shards (see passes/manifest.py)
+  collectives: list                    # sharding.reshard.CollectiveRecord
+  fallbacks: List[str]                 # ops forced to replicate, with why
+  variable_specs: Dict[str, tuple]     # split variable -> dims
+  output_copies: Dict[str, list]       # output -> [[device, local tensor]]
+  records: Dict[str, object]           # local node -> sharding.materialize.NodeRecord
+  config: object                       # the SplitConfig (mesh as asked)
+  mesh: object                         # the mesh materialized (with 'mb')
+  partition: Optional[List[List[str]]] = None   # pipeline: layer names per stage
+  stage_of: Optional[Dict[str, int]] = None      # pipeline: original node -> stage
+  schedule_edges: int = 0                        # control edges a schedule added
+
+  def count(self, kind, axis=None):
+    return sum(1 for c in self.collectives
+               if c.kind == kind and (axis is None or c.axis == axis))
+
+  def manifest_dict(self, source=None):
+    from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+    return manifest_lib.build(self, source)
+
+  def manifest_json(self, source=None):
+    from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+    return manifest_lib.dumps(self.manifest_dict(source))

@@ -1,0 +1,209 @@
+"""The split: an explicit sequence of GraphDef -> GraphDef passes.
+
+    result = split_graph(graph_def, Mesh.parse("dp=2,tp=2"), microbatches=4)
+
+Passes, in order, over one Analysis (graph, variables, shapes, layers) and one
+SplitConfig; each reads what earlier passes recorded in the SplitState, never
+another module's private fields:
+
+1. fold_static_shapes   shape arithmetic -> constants (global values); IdentityN
+                         split per output
+2. plan_variables       variable shardings: strategy (megatron) + annotations
+3. propagate_layouts    a sharding for every tensor; optimizer-slot and bias
+                         shardings inferred from the ops that use them
+4. assign_stages        pipeline only: every node's stage
+5. materialize          one copy of each op per device, collectives between
+                         shardings (sharding/reshard.py), per-node records
+6. order_microbatches   micro-batch j+1 waits for micro-batch j (no pipeline)
+   or apply_schedule    the pipeline schedule's control edges (gpipe / 1f1b)
+7. check_acyclic        the result can run
+"""
+import dataclasses
+import fnmatch
+from typing import Dict, Optional
+
+from absl import logging
+
+from tfsplit import constants
+from tfsplit.errors import GraphValidationError, PlanError
+from tfsplit.graph import Graph
+from tfsplit.graph.fold import expand_identity_n, fold_static_shapes
+from tfsplit.graph.ir import without_gc
+from tfsplit.passes.analysis import Analysis
+from tfsplit.passes.config import SplitConfig
+from tfsplit.passes.result import SplitResult
+from tfsplit.pipeline import microbatches as microbatch_lib
+from tfsplit.pipeline import partition as partition_lib
+from tfsplit.pipeline import schedules as schedules_lib
+from tfsplit.runtime.graph_function import graph_inputs
+from tfsplit.sharding.materialize import materialize
+from tfsplit.sharding.propagate import propagate_with_variables
+from tfsplit.sharding.spec import Sharding
+from tfsplit.strategies.megatron import megatron_plan
+
+
+@dataclasses.dataclass
+class SplitState:
+  """What the passes have recorded so far."""
+  config: SplitConfig
+  mesh: object                       # the config's mesh plus the 'mb' axis
+  analysis: Analysis
+  plan: Dict[str, tuple] = dataclasses.field(default_factory=dict)  # handle -> dims
+  explicit: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+  input_specs: Dict[str, Sharding] = dataclasses.field(default_factory=dict)
+  propagation: object = None
+  partition: Optional[list] = None
+  stage_of: Optional[Dict[str, int]] = None
+  materialized: object = None
+  schedule_edges: int = 0
+
+
+# --- passes ----------------------------------------------------------------------
+def fold_shapes(state):
+  analysis = state.analysis
+  folded = expand_identity_n(fold_static_shapes(analysis.graph_def, analysis.shapes))
+  analysis.replace(folded)
+  for var in analysis.variables:
+    if var.shape is None:
+      raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
+                      "load the graph from its tf.function so shapes are recorded, or "
+                      "give the shapes with --variables")
+
+
+def plan_variables(state):
+  config, mesh, analysis = state.config, state.mesh, state.analysis
+  axis = config.split_axis(mesh)
+  if config.strategy == "megatron" and axis is not None:
+    state.plan.update(megatron_plan(analysis.graph, analysis.shapes, analysis.variables,
+                                    axis=axis, mesh=mesh, roles=analysis.roles))
+  state.plan.update(_annotation_plan(analysis.variables, config.annotations, mesh))
+  state.explicit = dict(state.plan)
+  batch_axis = config.batch_axis(mesh)
+  if batch_axis:
+    state.input_specs = _batch_specs(analysis, mesh, batch_axis)
+
+
+def propagate_layouts(state):
+  analysis, mesh = state.analysis, state.mesh
+  specs = {}
+  for var in analysis.variables:
+    dims = state.plan.get(var.node, (None,) * len(var.shape))
+    specs[var.node] = Sharding(tuple(dims))
+    specs[var.node].local_shape(var.shape, mesh, f"variable '{var.name}'")
+  state.propagation = propagate_with_variables(
+      analysis.graph, analysis.shapes, mesh, specs, state.input_specs, analysis.variables,
+      state.explicit)
+
+
+def assign_stages(state):
+  stages = state.config.stages
+  if stages <= 1 and constants.PIPELINE_AXIS not in state.mesh.axes:
+    return
+  analysis = state.analysis
+  state.partition = partition_lib.partition_layers(analysis.layers, stages,
+                                                   state.config.layer_ranges)
+  state.stage_of = partition_lib.assign_stages(analysis.graph, analysis.layers,
+                                               state.partition)
+
+
+def materialize_devices(state):
+  analysis = state.analysis
+  state.materialized = materialize(analysis.graph, analysis.shapes, state.mesh,
+                                   state.propagation, analysis.variables,
+                                   state.config.timeout_seconds, state.stage_of)
+
+
+def order_work(state):
+  """Micro-batch order without a pipeline; the schedule's order with one."""
+  out = state.materialized
+  if state.stage_of is None:
+    microbatch_lib.order_microbatches(out.graph_def, out.input_slices, out.local_sums,
+                                      state.mesh)
+    return
+  sets = schedules_lib.micro_batch_sets(
+      out.graph_def, out.records, state.analysis.roles, state.mesh,
+      schedules_lib.waiting_for_updates(state.analysis.graph, state.analysis.roles))
+  state.schedule_edges = schedules_lib.apply_schedule(
+      out.graph_def, schedules_lib.get_schedule(state.config.schedule), sets, state.mesh,
+      state.config.stages, state.config.microbatches)
+
+
+def check_acyclic(state):
+  try:
+    Graph(state.materialized.graph_def).topological_order()
+  except GraphValidationError as e:
+    raise PlanError(f"the {state.config.schedule} schedule would make the graph cyclic "
+                    f"({e}); try another schedule or partition") from None
+
+
+PASSES = (fold_shapes, plan_variables, propagate_layouts, assign_stages,
+          materialize_devices, order_work, check_acyclic)
+
+
+@without_gc
+def run_passes(graph_def, config):
+  """SplitResult of running PASSES over `graph_def` under `config`."""
+  state = SplitState(config, config.mesh.with_microbatches(int(config.microbatches)),
+                     Analysis(graph_def))
+  for pass_fn in PASSES:
+    pass_fn(state)
+  out, prop = state.materialized, state.propagation
+  by_node = {v.node: v.name for v in state.analysis.variables}
+  var_specs = {by_node[h]: s.dims for h, s in prop.variable_specs.items()
+               if not s.is_replicated}
+  logging.info("split over %s: %d variables split, %d all-reduces, %d all-gathers, "
+               "%d fallbacks", state.mesh, len(var_specs),
+               sum(c.kind == "all_reduce" for c in out.collectives),
+               sum(c.kind == "all_gather" for c in out.collectives), len(prop.fallbacks))
+  return SplitResult(out.graph_def, out.manifest, out.collectives, prop.fallbacks, var_specs,
+                     out.output_copies, out.records, config, state.mesh, state.partition,
+                     state.stage_of, state.schedule_edges)
+
+
+def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
+                timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
+                layer_ranges=None):
+  """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
+  config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
+                       layer_ranges, timeout_seconds, axis)
+  return run_passes(graph_def, config)
+
+
+# --- helpers -----------------------------------------------------------------------
+def _annotation_plan(variables, annotations, mesh):
+  """{handle node: dims} from {variable-name glob: dims}."""
+  plan = {}
+  for var in variables:
+    for pattern, dims in annotations.items():
+      if fnmatch.fnmatchcase(var.name, pattern):
+        dims = tuple(dims)
+        if len(dims) != len(var.shape):
+          raise PlanError(f"annotation '{pattern}' gives {len(dims)} dims for variable "
+                          f"'{var.name}' of rank {len(var.shape)}")
+        for a in dims:
+          if a is not None and a not in mesh.axes:
+            raise PlanError(f"annotation '{pattern}' names axis '{a}', not in mesh {mesh}")
+        plan[var.node] = dims
+        break
+  return plan
+
+
+def _batch_specs(analysis, mesh, batch_axis):
+  """Input placeholders split along dimension 0 (the batch) over `batch_axis`."""
+  specs = {}
+  n = mesh.size_of(batch_axis)
+  for name in graph_inputs(analysis.graph):
+    info = analysis.shapes[name][0]
+    if info.shape is None or not info.shape or info.shape[0] is None:
+      raise PlanError(
+          f"input '{name}' has shape {info.shape}: data parallelism / micro-batching "
+          "needs a static batch dimension first; trace the function with a fixed batch "
+          "size (tf.TensorSpec([BATCH, ...]))")
+    if info.shape[0] % n:
+      parts = " x ".join(f"{a}={mesh.axes[a]}" for a in mesh.axis_parts(batch_axis))
+      raise PlanError(
+          f"input '{name}': global batch {info.shape[0]} does not divide by {parts} "
+          f"(= {n}); use a batch that is a multiple of {n}, or fewer replicas / "
+          "micro-batches")
+    specs[name] = Sharding.split(len(info.shape), 0, batch_axis)
+  return specs

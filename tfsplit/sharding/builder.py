@@ -1,0 +1,142 @@
+"""The per-device GraphDef under construction, and what it records per node.
+
+Every node a split adds goes through `DeviceGraph.add`, which keeps names
+unique and records, for each local copy, the original node it copies, its
+logical device and whether it serves every micro-batch. Later passes
+(schedules, micro-batch order, the Session runner) read those records instead
+of parsing node names.
+
+The records also travel inside the GraphDef, as private attrs on each node
+(`stamp_records` / `read_records`), so a rewritten graph read back from a file
+still says which original node and device each of its nodes serves.
+
+Names: the copy of node `n` on logical device d is `n/shard_d`; a variable
+`v`'s shard on device d is the variable `v/shard_d`.
+"""
+import dataclasses
+from typing import Optional
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.python.framework import tensor_util
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeRecord:
+  source: str                # the original node this node was made for
+  device_id: Optional[int]   # its logical device in the mesh (None: not device-local)
+  shared: bool = False       # serves every micro-batch (not part of one)
+
+
+SOURCE_ATTR = "_tfsplit_source"
+DEVICE_ID_ATTR = "_tfsplit_device_id"
+SHARED_ATTR = "_tfsplit_shared"
+
+
+def stamp_records(graph_def, records):
+  """Writes each node's record into its attrs (in place)."""
+  for node in graph_def.node:
+    record = records.get(node.name)
+    if record is None or record.device_id is None:
+      continue
+    node.attr[SOURCE_ATTR].s = record.source.encode()
+    node.attr[DEVICE_ID_ATTR].i = record.device_id
+    if record.shared:
+      node.attr[SHARED_ATTR].b = True
+
+
+def read_records(graph_def):
+  """{node: NodeRecord} from the attrs stamp_records wrote."""
+  return {n.name: NodeRecord(n.attr[SOURCE_ATTR].s.decode(), n.attr[DEVICE_ID_ATTR].i,
+                             SHARED_ATTR in n.attr and n.attr[SHARED_ATTR].b)
+          for n in graph_def.node if SOURCE_ATTR in n.attr}
+
+
+def local_name(name, device_id):
+  return f"{name}/shard_{device_id}"
+
+
+def shard_variable_name(var_name, device_id):
+  return f"{var_name}/shard_{device_id}"
+
+
+def tensor(name, port):
+  return name if port == 0 else f"{name}:{port}"
+
+
+def safe_axis(axis):
+  """Axis names in node names ('dp*mb' is not a valid node-name character)."""
+  return axis.replace("*", "_x_")
+
+
+def const_node(name, value, device):
+  value = np.asarray(value)
+  node = node_def_pb2.NodeDef(name=name, op="Const", device=device)
+  node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
+  node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+  return node
+
+
+class DeviceGraph(object):
+  """A GraphDef being built: unique names, per-node records."""
+
+  def __init__(self, versions, library):
+    self.graph_def = graph_pb2.GraphDef()
+    self.graph_def.versions.CopyFrom(versions)
+    self.graph_def.library.CopyFrom(library)
+    self.names = set()
+    self.created = {}   # name -> the NodeDef in graph_def
+    self.records = {}   # name -> NodeRecord
+
+  def unique(self, base):
+    name, i = base, 0
+    while name in self.names:
+      i += 1
+      name = f"{base}_{i}"
+    self.names.add(name)
+    return name
+
+  def add(self, node, source=None, device_id=None):
+    """Adds a copy of `node`; records it as made for `source` on `device_id`."""
+    self.names.add(node.name)
+    added = self.graph_def.node.add()
+    added.CopyFrom(node)
+    self.created[node.name] = added
+    if source is not None:
+      self.records[node.name] = NodeRecord(source, device_id)
+    return added
+
+  def mark_shared(self, name):
+    record = self.records.get(name)
+    self.records[name] = dataclasses.replace(record, shared=True) if record else \
+        NodeRecord(name, None, True)
+
+  def is_shared(self, name):
+    record = self.records.get(name)
+    return bool(record and record.shared)
+
+  def int_const(self, base, value, device):
+    """Name of a new int32 Const on `device`."""
+    node = const_node(self.unique(base), np.asarray(value, np.int32), device)
+    self.add(node)
+    return node.name
+
+  def transpose(self, x, perm, base, device, dtype):
+    perm_name = self.int_const(base + "/perm", perm, device)
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Transpose", device=device,
+                                input=[x, perm_name])
+    node.attr["T"].type = dtype
+    node.attr["Tperm"].type = tf.int32.as_datatype_enum
+    self.add(node)
+    return node.name
+
+  def reshape(self, x, shape, base, device, dtype):
+    shape_name = self.int_const(base + "/shape", list(shape), device)
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Reshape", device=device,
+                                input=[x, shape_name])
+    node.attr["T"].type = dtype
+    node.attr["Tshape"].type = tf.int32.as_datatype_enum
+    self.add(node)
+    return node.name
