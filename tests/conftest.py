@@ -2,6 +2,8 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# An exception inside a split rule fails the test instead of falling back.
+os.environ["TFSPLIT_STRICT_RULES"] = "1"
 
 import tensorflow as tf  # pylint: disable=wrong-import-position
 

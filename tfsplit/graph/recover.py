@@ -1102,9 +1102,9 @@ def match_saved_variables(variables, saved):
     owner = next((n for n in matched_names if owners[v.node].endswith(n)), None)
     if owner is None:
       continue
-    flat = _flat(matched_names[owner])
-    same = [s for s in free if flat in _flat(s.name) and s.name != matched_names[owner]
-            and ok(v, s)]
+    pattern = re.compile(r"(^|_)" + re.escape(_flat(matched_names[owner])) +
+                         r"(_\d+)?(_[A-Za-z]+)?$")
+    same = [s for s in free if pattern.search(_flat(s.name)) and ok(v, s)]
     if same:
       take(v, same[0])
   changed = True

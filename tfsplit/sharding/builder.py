@@ -22,6 +22,8 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.python.framework import tensor_util
 
+from tfsplit.graph import variables as variables_lib
+
 
 @dataclasses.dataclass(frozen=True)
 class NodeRecord:
@@ -60,6 +62,23 @@ def local_name(name, device_id):
 
 def shard_variable_name(var_name, device_id):
   return f"{var_name}/shard_{device_id}"
+
+
+def shard_variable_node(node, name, device, shard_name, local_shape):
+  """A copy of variable node `node` (VarHandleOp or a captured-variable
+  Placeholder) that holds shard `shard_name` of `local_shape` on `device`."""
+  new = node_def_pb2.NodeDef()
+  new.CopyFrom(node)
+  new.name, new.device = name, device
+  if "_class" in new.attr:
+    del new.attr["_class"]
+  if node.op == "VarHandleOp":
+    new.attr["shared_name"].s = shard_name.encode()
+    new.attr["shape"].CopyFrom(variables_lib.make_shape_attr(local_shape))
+  else:
+    new.attr[variables_lib.VAR_NAME_ATTR].s = shard_name.encode()
+    new.attr[variables_lib.VAR_SHAPE_ATTR].CopyFrom(variables_lib.make_shape_attr(local_shape))
+  return new
 
 
 def tensor(name, port):

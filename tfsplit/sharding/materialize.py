@@ -14,8 +14,6 @@ import dataclasses
 import zlib
 from typing import Dict, List
 
-import numpy as np
-import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
 
@@ -25,8 +23,10 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import parse_input
 from tfsplit.graph.layers import graph_outputs
 from tfsplit.rules.base import Decision
-from tfsplit.sharding.builder import (DeviceGraph, const_node, local_name,
-                                      shard_variable_name, stamp_records, tensor)
+from tfsplit.sharding.builder import (DeviceGraph, local_name, shard_variable_name,
+                                      shard_variable_node, stamp_records, tensor)
+from tfsplit.sharding.localize import LocalizeContext
+from tfsplit.sharding.placement import Placement
 from tfsplit.sharding.reshard import Resharder
 from tfsplit.sharding.spec import Sharding
 
@@ -47,50 +47,12 @@ class Materialized:
   local_sums: List[dict]           # per running gradient sum: {device id: member}
 
 
-class _LocalizeContext(object):
-  """What a rule's `localize` may do to one device's copy of a node."""
-
-  def __init__(self, mat, node, original, decision, device_id, positions, in_infos):
-    self.mat, self.node, self.original = mat, node, original
-    self.decision, self.device_id = decision, device_id
-    self._positions, self._in_infos = positions, in_infos
-
-  def local_out_shape(self, k=0):
-    info = self.mat.shapes[self.original.name][k]
-    return self.decision.outputs[k].local_shape(
-        info.shape, self.mat.mesh, f"node '{self.original.name}' (op {self.original.op})")
-
-  def input_dtype(self, i):
-    return tf.as_dtype(self._in_infos[i].dtype).as_numpy_dtype
-
-  def const_input(self, i, value):
-    name = self.mat.b.unique(f"{self.node.name}/local_input_{i}")
-    self.mat.b.add(const_node(name, value, self.node.device))
-    self.node.input[self._positions[i]] = name
-
-  def scale_output(self, factor):
-    """Renames the local node and multiplies its output 0 by `factor`."""
-    final, b = self.node.name, self.mat.b
-    self.node.name = b.unique(final + "/unscaled")
-    dtype = self.mat.shapes[self.original.name][0].dtype
-    c = b.add(const_node(b.unique(final + "/scale"),
-                         np.asarray(factor, tf.as_dtype(dtype).as_numpy_dtype),
-                         self.node.device))
-    mul = node_def_pb2.NodeDef(name=final, op="Mul", device=self.node.device,
-                               input=[self.node.name, c.name])
-    mul.attr["T"].type = dtype
-    self.mat.deferred.append(mul)
-
-
 class _Materializer(object):
 
   def __init__(self, graph, shapes, mesh, propagation, variables, timeout, stage_of):
     self.graph, self.shapes, self.mesh, self.prop = graph, shapes, mesh, propagation
     self.variables = {v.node: v for v in variables}
-    # Pipeline: each node lives only on the devices of its stage (TF sends
-    # tensors between stages).
-    self.pp = constants.PIPELINE_AXIS if stage_of is not None else None
-    self.stage_of = stage_of or {}
+    self.place = Placement(mesh, stage_of)
     self.b = DeviceGraph(graph.versions, graph.library)
     # TF caches a collective's shape per (group, instance) key: the same graph
     # split two ways must not reuse keys, so the plan is in the seed.
@@ -102,23 +64,9 @@ class _Materializer(object):
     self.reshards = {}       # (src, port, want, raw) -> [local tensor per device]
     self.deferred, self.manifest, self.output_copies, self.input_slices = [], {}, {}, []
 
-  # --- where a node lives ---------------------------------------------------------
-  def node_stage(self, name):
-    return self.stage_of.get(name, 0) if self.pp else None
-
-  def on_stage(self, d, stage):
-    if self.pp is None or stage is None or self.mesh.coord(d, self.pp) == stage:
-      return d
-    return self.mesh.device_id({**self.mesh.coords(d), self.pp: stage})
-
-  def ids_for(self, name):
-    stage = self.node_stage(name)
-    return [d for d in range(self.mesh.size)
-            if stage is None or self.mesh.coord(d, self.pp) == stage]
-
   def lname(self, name, d):
     """Node `name`'s copy as device d sees it (its stage's; shared ones aliased)."""
-    d = self.on_stage(d, self.node_stage(name))
+    d = self.place.on_stage(d, self.place.stage(name))
     return self.alias.get((name, d)) or local_name(name, d)
 
   # --- tensors as consumers see them ---------------------------------------------
@@ -138,10 +86,10 @@ class _Materializer(object):
         current = [tensor(self.lname(src, d), port) for d in range(self.mesh.size)]
       else:
         current, have = self.source(src, port, consumer)
-      current = self.r.reshard(current, self.ids_for(src), self.shapes[src][port], have,
+      current = self.r.reshard(current, self.place.ids_for(src), self.shapes[src][port], have,
                                want, src, port, consumer, ordered)
-      stage = self.node_stage(src)
-      self.reshards[key] = [current[self.on_stage(d, stage)] for d in range(self.mesh.size)]
+      stage = self.place.stage(src)
+      self.reshards[key] = [current[self.place.on_stage(d, stage)] for d in range(self.mesh.size)]
     return self.reshards[key]
 
   # --- nodes ------------------------------------------------------------------------
@@ -150,23 +98,13 @@ class _Materializer(object):
     spec = self.prop.variable_specs.get(node.name) or Sharding.replicated(len(info.shape))
     local_shape = spec.local_shape(info.shape, self.mesh, f"variable '{info.name}'")
     shards = []
-    for d in self.ids_for(node.name):
+    for d in self.place.ids_for(node.name):
       if self.r.rep(d) != d:  # micro-batches share their device's variables
         self.alias[(node.name, d)] = self.lname(node.name, self.r.rep(d))
         continue
-      new = node_def_pb2.NodeDef()
-      new.CopyFrom(node)
-      new.name, new.device = local_name(node.name, d), self.mesh.devices[d]
-      if "_class" in new.attr:
-        del new.attr["_class"]
       shard_name = shard_variable_name(info.name, d)
-      if node.op == "VarHandleOp":
-        new.attr["shared_name"].s = shard_name.encode()
-        new.attr["shape"].CopyFrom(variables_lib.make_shape_attr(local_shape))
-      else:
-        new.attr[variables_lib.VAR_NAME_ATTR].s = shard_name.encode()
-        new.attr[variables_lib.VAR_SHAPE_ATTR].CopyFrom(
-            variables_lib.make_shape_attr(local_shape))
+      new = shard_variable_node(node, local_name(node.name, d), self.mesh.devices[d],
+                                shard_name, local_shape)
       self.b.add(new, node.name, d)
       self.b.mark_shared(new.name)
       shards.append({"name": shard_name, "device": self.mesh.devices[d], "device_id": d,
@@ -182,7 +120,7 @@ class _Materializer(object):
     info = self.shapes[node.name][0]
     whole = [node.name] * self.mesh.size
     if spec is None or spec.is_replicated:
-      for d in self.ids_for(node.name):
+      for d in self.place.ids_for(node.name):
         if self.r.rep(d) != d:
           self.alias[(node.name, d)] = self.lname(node.name, self.r.rep(d))
           continue
@@ -192,7 +130,7 @@ class _Materializer(object):
         self.b.add(ident, node.name, d)
         self.b.mark_shared(ident.name)
       return
-    ids = self.ids_for(node.name)
+    ids = self.place.ids_for(node.name)
     local = self.r.slice(whole, ids, info, Sharding.replicated(len(info.shape)), spec,
                          (node.name, 0, node.name), {d: local_name(node.name, d) for d in ids})
     self.input_slices.extend((d, local[d]) for d in ids)
@@ -214,7 +152,7 @@ class _Materializer(object):
     controls = [t[1:] for t in node.input if t.startswith("^")]
     varies = any(self.r.uses_local_axis(o) for o in decision.outputs)
     writes = constants.is_write_op(node.op)
-    for d in self.ids_for(node.name):
+    for d in self.place.ids_for(node.name):
       r = self.r.rep(d)
       same_data = all(res[d] == res[r] for res in resolved)
       if r != d and not varies and same_data and (
@@ -239,7 +177,7 @@ class _Materializer(object):
         if attr in new.attr:
           del new.attr[attr]
       if decision.localize is not None:
-        decision.localize(_LocalizeContext(self, new, node, decision, d, positions, in_infos))
+        decision.localize(LocalizeContext(self, new, node, decision, d, positions, in_infos))
       self.b.add(new, node.name, d)
       for extra in self.deferred:
         self.b.add(extra, node.name, d)
@@ -268,7 +206,7 @@ class _Materializer(object):
       # loss waits for them): they must not order micro-batches.
       local = self.reshard(name, 0, spec, whole, name, ordered=False)
     seen = {}
-    for d in self.ids_for(name):
+    for d in self.place.ids_for(name):
       seen.setdefault(local[d], d)
     self.output_copies[name] = [[self.mesh.devices[d], t]
                                 for d, t in sorted((d, t) for t, d in seen.items())]

@@ -1,0 +1,30 @@
+"""Where a node lives: on every device, or on its pipeline stage's devices."""
+from tfsplit import constants
+
+
+class Placement(object):
+  """Devices of each node under an optional stage assignment (node -> stage).
+
+  With pipeline stages each node lives only on the devices whose 'pp'
+  coordinate is its stage; TF sends tensors between stages.
+  """
+
+  def __init__(self, mesh, stage_of=None):
+    self.mesh = mesh
+    self.pp = constants.PIPELINE_AXIS if stage_of is not None else None
+    self.stage_of = stage_of or {}
+
+  def stage(self, name):
+    return self.stage_of.get(name, 0) if self.pp else None
+
+  def on_stage(self, d, stage):
+    """Device d's counterpart on `stage` (same other coordinates)."""
+    if self.pp is None or stage is None or self.mesh.coord(d, self.pp) == stage:
+      return d
+    return self.mesh.device_id({**self.mesh.coords(d), self.pp: stage})
+
+  def ids_for(self, name):
+    """Devices holding a copy of node `name`."""
+    stage = self.stage(name)
+    return [d for d in range(self.mesh.size)
+            if stage is None or self.mesh.coord(d, self.pp) == stage]
