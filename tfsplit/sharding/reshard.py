@@ -144,7 +144,7 @@ class Resharder(object):
     if not self.reduce_scatter:
       return None
     for dim, w in enumerate(want.dims):
-      if w == axis and spec.dims[dim] is None and axis not in spec.axes_used:
+      if w == axis and spec.dims[dim] is None and axis not in spec.dims:
         return dim if info.shape[dim] % self.mesh.axes[axis] == 0 else None
     return None
 
