@@ -37,12 +37,13 @@ def main(argv):
   from tfsplit.graph import Graph, load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import devices as devices_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import verify as verify_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(positional[0])
   data = manifest_lib.find(positional[0], fv.manifest)
   manifest = data["variables"] if data else None
-  verify_lib.ensure_logical_devices(verify_lib.required_devices(graph_def))
+  devices_lib.ensure_logical_devices(devices_lib.required_devices(graph_def))
   values = session_lib.seeded_values(graph_def, manifest, fv.seed)
   runner = session_lib.SessionRunner(graph_def, values)
   original_path = fv.original or (data or {}).get("source")

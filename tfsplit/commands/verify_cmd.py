@@ -44,11 +44,12 @@ def main(argv):
   if len(positional) != 2:
     raise TfsplitError("usage: tfsplit verify ORIGINAL REWRITTEN [--manifest M] [--steps N]")
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import devices as devices_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import verify as verify_lib  # pylint: disable=import-outside-toplevel
   # Devices first: loading a SavedModel starts TensorFlow's runtime, after
   # which the logical devices the rewritten graph needs can no longer be made.
   rewritten = load_graph(positional[1])
-  verify_lib.ensure_logical_devices(verify_lib.required_devices(rewritten))
+  devices_lib.ensure_logical_devices(devices_lib.required_devices(rewritten))
   original = load_graph(positional[0], signature=fv.signature, variables_from=fv.variables)
   from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
   recover.require_variable_shapes(original, positional[0])

@@ -166,14 +166,21 @@ def _evaluate(graph, targets, foldable, shapes):
       del new.attr["_class"]  # colocation with nodes not in this subgraph
     del new.input[:]
     new.input.extend(t for t in node.input if not t.startswith("^"))
-  with tf.Graph().as_default() as tmp:
-    tf.graph_util.import_graph_def(g, name="")
-    fetches = {}
-    for name in targets:
-      op = tmp.get_operation_by_name(name)
-      fetches[name] = list(op.outputs)
-    with tf.compat.v1.Session(graph=tmp) as sess:
-      result = sess.run(fetches)
+  try:
+    with tf.Graph().as_default() as tmp:
+      tf.graph_util.import_graph_def(g, name="")
+      fetches = {}
+      for name in targets:
+        op = tmp.get_operation_by_name(name)
+        fetches[name] = list(op.outputs)
+      with tf.compat.v1.Session(graph=tmp) as sess:
+        result = sess.run(fetches)
+  except (tf.errors.OpError, ValueError) as e:
+    # Shapes that static inference let through but the shape arithmetic
+    # refuses (the graph would fail the same way when run).
+    from tfsplit.graph import validate as validate_lib  # pylint: disable=import-outside-toplevel
+    raise validate_lib.tf_error(e, graph.graph_def, "TensorFlow could not evaluate "
+                                "its static shape arithmetic") from None
   return {k: [np.asarray(v) for v in vals] for k, vals in result.items()}
 
 

@@ -129,6 +129,7 @@ class Recovered:
   trainable: Optional[bool] = None
   scope: str = ""
   role: str = "variable"
+  owner: Optional[str] = None    # an optimizer slot: its variable's node
 
   @property
   def known(self):
@@ -474,6 +475,7 @@ class _Structure(object):
     self.writers = collections.defaultdict(list)  # handle -> [(node, value input)]
     self.appliers = collections.defaultdict(list)  # handle -> [ResourceApply* node]
     self.users = collections.defaultdict(list)    # handle -> [node using it at input 0]
+    self._readers = None
     for handle in handles:
       for node in graph.consumer_nodes(handle):
         data = [t for t in node.input if not t.startswith("^")]
@@ -489,6 +491,8 @@ class _Structure(object):
 
   def update_readers(self):
     """{handle: {handles whose updates read it}} (an optimizer slot: one)."""
+    if self._readers is not None:
+      return self._readers
     readers = collections.defaultdict(set)
     for handle in self.users:
       roots = [parse_input(value)[0] for _, value in self.writers[handle]]
@@ -502,6 +506,7 @@ class _Structure(object):
             readers[src].add(handle)
         elif name != handle and name in self.users:
           readers[name].add(handle)  # a slot handle given to ResourceApply*
+    self._readers = readers
     return readers
 
   def view_consumers(self, read, views=_SAME_SHAPE):
@@ -914,55 +919,39 @@ def _name_variables(graph, st, variables, outputs):
   for v in variables:
     if v.role == "add":
       v.role = "beta" if v.scope in multiplied else "bias"
-  # Slots: non-forward variables whose reads feed one trainable variable's update.
-  feeds = collections.defaultdict(set)
-  for w in variables:
-    if not w.trainable:
-      continue
-    roots = [parse_input(value)[0] for _, value in st.writers[w.node]]
-    for node in st.appliers[w.node]:
-      roots.extend(parse_input(t)[0] for t in node.input if not t.startswith("^"))
-    for name in _data_ancestors(graph, roots):
-      node = graph.node(name)
-      if node.op in _READ_OPS:
-        feeds[parse_input(node.input[0])[0]].add(w.node)
-    for node in st.appliers[w.node]:
-      for t in node.input[1:]:
-        src = parse_input(t)[0]
-        if src != w.node and variables_lib.is_variable_node(graph.node(src)):
-          feeds[src].add(w.node)
-  by_node = {v.node: v for v in variables}
-  names, slot_count = {}, collections.Counter()
-  for v in variables:
-    if forward_reads[v.node]:
-      names[v.node] = _join(v.scope, v.role)
-  for v in variables:
-    if v.node in names:
-      continue
-    owners = feeds.get(v.node, set())
-    if len(owners) == 1:
-      owner = next(iter(owners))
-      k = slot_count[owner]
-      slot_count[owner] += 1
-      names[v.node] = _join(v.scope, names.get(owner, owner), f"slot_{k}")
-      v.role = "slot"
-    elif (v.dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64) and v.shape == () and
-          st.writers[v.node]):
-      names[v.node] = _join(v.scope, "iteration")
-      v.role = "iteration"
-    else:
-      names[v.node] = _join(v.scope, "variable")
-  del by_node
-  taken = collections.Counter()
-  used = set()
-  for v in variables:
-    base = names[v.node]
+  # Forward variables first, then the others (slots are named after theirs).
+  used, taken = set(), collections.Counter()
+
+  def unique(base):
     name = base
     while name in used:
       taken[base] += 1
       name = f"{base}_{taken[base]}"
     used.add(name)
-    v.name = name
+    return name
+
+  for v in variables:
+    if forward_reads[v.node]:
+      v.name = unique(_join(v.scope, v.role))
+  by_node = {v.node: v for v in variables}
+  readers = st.update_readers()
+  slot_count = collections.Counter()
+  for v in variables:
+    if forward_reads[v.node]:
+      continue
+    owners = [o for o in readers.get(v.node, ()) if by_node[o].trainable]
+    if len(owners) == 1:
+      v.owner = owners[0]
+      k = slot_count[v.owner]
+      slot_count[v.owner] += 1
+      v.name = unique(_join(v.scope, by_node[v.owner].name, f"slot_{k}"))
+      v.role = "slot"
+    elif (v.dtype in (types_pb2.DT_INT32, types_pb2.DT_INT64) and v.shape == () and
+          st.writers[v.node]):
+      v.name = unique(_join(v.scope, "iteration"))
+      v.role = "iteration"
+    else:
+      v.name = unique(_join(v.scope, "variable"))
 
 
 def _join(*parts):
@@ -993,6 +982,7 @@ class SavedVariable:
   key: str
   shape: Tuple[int, ...]
   dtype: int
+  named: bool = True   # False: `name` is an object path, not the variable's name
 
 
 def read_saved_variables(path):
@@ -1034,11 +1024,12 @@ def read_saved_variables(path):
     name = full_names.get(key) or key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
     if name.endswith(":0"):
       name = name[:-2]
-    out.append(SavedVariable(name, key, tuple(shapes[key]), dtypes[key].as_datatype_enum))
+    out.append(SavedVariable(name, key, tuple(shapes[key]), dtypes[key].as_datatype_enum,
+                             key in full_names or "/.ATTRIBUTES/" not in key))
   counts = collections.Counter(v.name for v in out)
   for v in out:  # names several variables share (Keras 3: 'gpt/kernel') say nothing
     if counts[v.name] > 1:
-      v.name = v.key.replace("/.ATTRIBUTES/VARIABLE_VALUE", "")
+      v.name, v.named = v.key.replace("/.ATTRIBUTES/VARIABLE_VALUE", ""), False
   return out
 
 
@@ -1057,13 +1048,18 @@ def match_saved_variables(variables, saved):
   1. same name (the recovered one) and dtype, compatible shape;
   2. same scope (the saved name without its last part equals the recovered
      scope), same dtype, compatible shape, and only one such saved variable
-     (or only one whose last part is the recovered role);
-  3. optimizer slots: saved variables whose name contains the flattened name
-     of the slot's own variable as matched (Keras: 'm/<var>', 'adam/<var>_
-     momentum'), same dtype and compatible shape, in saved order;
+     (or only one whose last part is the recovered role, or only one of
+     exactly the recovered shape);
+  3. optimizer slots: saved variables whose name, '/' read as '_', ends with
+     the name of the slot's own variable (as matched, else as recovered),
+     optionally followed by '_<n>' and '_<word>' (Keras: 'm/<var>',
+     'adam/<var>_momentum'), same dtype and compatible shape, in saved order
+     (checkpoint keys in natural order; Adam's m before v, as in the graph);
   4. what is left: a saved variable that is the only one compatible (dtype and
      shape) with one graph variable, itself the only compatible graph variable.
-  A match gives the variable the saved shape and name; a variable left
+  A match gives the variable the saved shape, and the saved name unless the
+  checkpoint only has an object path for it ('model/head/_kernel', when
+  several variables share one name, as Keras 3's do); a variable left
   unmatched keeps what the graph gave it.
   """
   free = list(saved)
@@ -1090,20 +1086,13 @@ def match_saved_variables(variables, saved):
       same = [s for s in same if s.shape == v.shape]
     if len(same) == 1:
       take(v, same[0])
-  owners = {}
-  for v in variables:
-    if v.role == "slot":
-      owner_name = v.name.rsplit("/", 1)[0]
-      owners[v.node] = owner_name
-  matched_names = {v.name: pairs[v.node].name for v in variables if v.node in pairs}
+  by_node = {v.node: v for v in variables}
   for v in variables:  # 3
-    if v.node in pairs or v.node not in owners:
+    if v.node in pairs or v.owner is None:
       continue
-    owner = next((n for n in matched_names if owners[v.node].endswith(n)), None)
-    if owner is None:
-      continue
-    pattern = re.compile(r"(^|_)" + re.escape(_flat(matched_names[owner])) +
-                         r"(_\d+)?(_[A-Za-z]+)?$")
+    owner = by_node[v.owner]
+    owner_name = pairs[owner.node].name if owner.node in pairs else owner.name
+    pattern = re.compile(r"(^|_)" + re.escape(_flat(owner_name)) + r"(_\d+)?(_[A-Za-z]+)?$")
     same = [s for s in free if pattern.search(_flat(s.name)) and ok(v, s)]
     if same:
       take(v, same[0])
@@ -1117,12 +1106,26 @@ def match_saved_variables(variables, saved):
         take(v, fits[0])
         changed = True
         break
+  used = {v.name for v in variables if v.node not in pairs}
   for v in variables:
     s = pairs.get(v.node)
     if s is None:
       continue
-    v.name, v.shape, v.source = s.name, tuple(s.shape), SOURCE_SAVED
-    v.dtype = v.dtype or s.dtype
+    if not v.known:
+      v.source = SOURCE_SAVED
+    v.shape, v.dtype = tuple(s.shape), v.dtype or s.dtype
+    if s.named and s.name not in used:
+      v.name = s.name  # an object path ('model/head/_kernel') says less than ours
+    used.add(v.name)
+  seen = collections.Counter()
+  for v in variables:  # a kept name may equal a saved one taken by another
+    seen[v.name] += 1
+    if seen[v.name] > 1:
+      k = seen[v.name] - 1
+      while f"{v.name}_{k}" in used:
+        k += 1
+      v.name = f"{v.name}_{k}"
+      used.add(v.name)
   return len(pairs)
 
 

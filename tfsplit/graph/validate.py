@@ -458,6 +458,35 @@ def validate_graph_def(graph_def, source="graph", import_check=True):
     _import_check(graph_def, source)
 
 
+def _with_variable_handles(graph_def):
+  """`graph_def`, or a copy whose annotated captured-variable placeholders are
+  VarHandleOps of the recorded dtype and shape.
+
+  TF's shape functions then check every read and write of the variable
+  against what tfsplit recorded (a read of the wrong dtype, an assign of the
+  wrong shape), as the shape inference in shapes.py will see them.
+  """
+  indices = [i for i, node in enumerate(graph_def.node)
+             if node.op == "Placeholder" and variables_lib.VAR_SHAPE_ATTR in node.attr
+             and node.attr[variables_lib.VAR_DTYPE_ATTR].type]
+  if not indices:
+    return graph_def
+  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+  copy = graph_pb2.GraphDef()
+  copy.CopyFrom(graph_def)
+  for i in indices:
+    node = copy.node[i]
+    dtype = node.attr[variables_lib.VAR_DTYPE_ATTR].type
+    shape = node.attr[variables_lib.VAR_SHAPE_ATTR].shape
+    node.op = "VarHandleOp"
+    node.ClearField("attr")
+    node.attr["dtype"].type = dtype
+    node.attr["shape"].shape.CopyFrom(shape)
+    node.attr["shared_name"].s = node.name.encode()
+    node.attr["container"].s = b""
+  return copy
+
+
 _DANGLING = object()  # _check_inputs: an input names no node
 
 
@@ -579,7 +608,7 @@ def _tf_import(graph_def):
 def _import_check(graph_def, source):
   from tensorflow.python.framework import errors as tf_errors  # pylint: disable=import-outside-toplevel
   try:
-    _tf_import(graph_def)
+    _tf_import(_with_variable_handles(graph_def))
   except (tf_errors.OpError, ValueError, RuntimeError, TypeError) as e:
     error = e
   else:
@@ -613,9 +642,19 @@ def node_named_in(message, names):
   return None
 
 
+# Lines of TF error messages that frame the problem rather than state it.
+_FRAME_LINES = re.compile(
+    r"^(Graph execution error:|Detected at node|Node: '|\[\[|Original stack trace|"
+    r"File \"|Traceback)")
+# TF's dump of the failing NodeDef; the node is named separately.
+_NODE_DUMP = re.compile(r" for '\{\{node [^}]+\}\} = [^']*'")
+
+
 def _one_line(message):
   lines = [l.strip() for l in str(message).splitlines() if l.strip()]
-  text = lines[0] if lines else type(message).__name__
+  useful = [l for l in lines if not _FRAME_LINES.match(l)]
+  text = (useful or lines or ["(no message)"])[0]
+  text = _NODE_DUMP.sub("", text)
   if len(text) > _MAX_MESSAGE:
     text = text[:_MAX_MESSAGE] + "..."
   return text

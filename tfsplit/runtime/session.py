@@ -6,7 +6,6 @@ through Sessions too. The graph's captured-variable placeholders become
 VarHandleOps named after their variable (shard), initialised from values.
 """
 import json
-import re
 
 import numpy as np
 import tensorflow as tf
@@ -19,6 +18,7 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import write_atomically
 from tfsplit.graph.layers import graph_outputs
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
+from tfsplit.runtime.devices import required_devices
 from tfsplit.runtime.graph_function import graph_inputs
 from tfsplit.sharding.builder import read_records
 
@@ -106,17 +106,12 @@ def session_config(graph_def, num_cpus=None):
   one round keeps every schedule edge, as the trace test checks.)"""
   from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
   config = tf.compat.v1.ConfigProto(
-      device_count={"CPU": num_cpus or _cpu_count(graph_def)}, allow_soft_placement=False)
+      device_count={"CPU": num_cpus or required_devices(graph_def, "CPU")},
+      allow_soft_placement=False)
   if any(SCHEDULE_BARRIER_ATTR in n.attr for n in graph_def.node):
     config.graph_options.rewrite_options.meta_optimizer_iterations = (
         rewriter_config_pb2.RewriterConfig.ONE)
   return config
-
-
-def _cpu_count(graph_def):
-  ids = [int(m.group(1)) for n in graph_def.node
-         for m in [re.search(r"device:CPU:(\d+)$", n.device)] if m]
-  return max(ids) + 1 if ids else 1
 
 
 def op_events(metadata):

@@ -8,7 +8,6 @@ compared by `tfsplit.runtime.compare`; the original runs a second time on the
 batch in reverse order to measure its own rounding noise.
 """
 import collections
-import re
 
 import numpy as np
 import tensorflow as tf
@@ -86,12 +85,6 @@ def seeded_inputs(graph, seed=0, int_max=None):
     else:
       out.append(rng.randn(*shape.as_list()).astype(dtype.as_numpy_dtype))
   return out
-
-
-def _device_count(graph_def):
-  ids = [int(m.group(1)) for n in graph_def.node
-         for m in [re.search(r"device:(?:CPU|GPU):(\d+)$", n.device)] if m]
-  return max(ids) + 1 if ids else 1
 
 
 def batch_size_of(inputs):
@@ -199,28 +192,3 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
           c.what = f"after step {step + 1}: {c.what}"
       comparisons.extend(found)
   return compare_lib.Report(comparisons, rtol, use_noise, update_rtol)
-
-
-def ensure_logical_devices(count, kind="CPU"):
-  """Splits the first physical device of `kind` into `count` logical ones.
-
-  Must run before TensorFlow initialises its devices; later calls that ask
-  for no more devices than exist are fine.
-  """
-  physical = tf.config.list_physical_devices(kind)
-  if not physical:
-    raise TfsplitError(f"no {kind} device to run on")
-  try:
-    current = tf.config.get_logical_device_configuration(physical[0])
-    if current is None or len(current) < count:
-      tf.config.set_logical_device_configuration(
-          physical[0], [tf.config.LogicalDeviceConfiguration()] * count)
-  except RuntimeError:
-    have = len(tf.config.list_logical_devices(kind))
-    if have < count:
-      raise TfsplitError(f"the graph needs {count} {kind} devices but TensorFlow is "
-                         f"already running with {have}") from None
-
-
-def required_devices(graph_def):
-  return _device_count(graph_def)

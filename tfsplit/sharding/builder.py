@@ -142,20 +142,18 @@ class DeviceGraph(object):
     self.add(node)
     return node.name
 
-  def transpose(self, x, perm, base, device, dtype):
-    perm_name = self.int_const(base + "/perm", perm, device)
-    node = node_def_pb2.NodeDef(name=self.unique(base), op="Transpose", device=device,
-                                input=[x, perm_name])
+  def _shaping(self, op, index_attr, x, operand, base, device, dtype):
+    """`op`(x, int32 Const operand): a Transpose or a Reshape."""
+    operand_name = self.int_const(f"{base}/{index_attr.lower()}", list(operand), device)
+    node = node_def_pb2.NodeDef(name=self.unique(base), op=op, device=device,
+                                input=[x, operand_name])
     node.attr["T"].type = dtype
-    node.attr["Tperm"].type = tf.int32.as_datatype_enum
+    node.attr[index_attr].type = tf.int32.as_datatype_enum
     self.add(node)
     return node.name
 
+  def transpose(self, x, perm, base, device, dtype):
+    return self._shaping("Transpose", "Tperm", x, perm, base, device, dtype)
+
   def reshape(self, x, shape, base, device, dtype):
-    shape_name = self.int_const(base + "/shape", list(shape), device)
-    node = node_def_pb2.NodeDef(name=self.unique(base), op="Reshape", device=device,
-                                input=[x, shape_name])
-    node.attr["T"].type = dtype
-    node.attr["Tshape"].type = tf.int32.as_datatype_enum
-    self.add(node)
-    return node.name
+    return self._shaping("Reshape", "Tshape", x, shape, base, device, dtype)
