@@ -38,7 +38,7 @@ def main(argv):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import devices as devices_lib  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime import verify as verify_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import seeds  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(positional[0])
   data = manifest_lib.find(positional[0], fv.manifest)
@@ -49,7 +49,7 @@ def main(argv):
   original_path = fv.original or (data or {}).get("source")
   source_graph = load_graph(original_path) if original_path and os.path.exists(
       original_path) else graph_def
-  inputs = verify_lib.seeded_inputs(Graph(source_graph), fv.seed)
+  inputs = seeds.seeded_inputs(Graph(source_graph), fv.seed)
   runner.run(inputs)
   _, metadata = runner.run(inputs, trace=True)
   events = session_lib.op_events(metadata)

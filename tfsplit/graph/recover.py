@@ -6,67 +6,92 @@ reading op (`gpt/block_0/mlp/fc1/MatMul/ReadVariableOp/resource`): no name,
 no shape, no dtype; and nothing marks the function's inputs and outputs.
 `recover(graph_def)` finds them again and writes them as the private attrs
 tfsplit records when it loads a ConcreteFunction itself (variables.py), so
-everything downstream works unchanged.
+everything downstream works unchanged. `io.load_graph` calls it for graph
+files with unannotated captures.
 
-Shapes, iterated to a fixpoint, each round one run of TF's own shape inference
-(Grappler's GraphProperties, as shapes.py) with the shapes known so far:
+Dtypes come from the ops that read or write the handle (ReadVariableOp's
+dtype, ...). Shapes are found by a fixpoint; each round runs TF's own shape
+inference (Grappler's GraphProperties, as shapes.py) on a private copy of the
+graph in which the variables known so far (fully or partly) are VarHandleOps
+of that shape, and in which variable updates are NoOps (Grappler would
+otherwise give an assigned value the shape of the variable it is assigned
+to, which would make any guess about that variable look right). Sources, in
+the order they are tried; the label is what `RecoveryReport.sources` counts:
+- *gradient constant*: TF's gradient code folds a variable's static shape
+  into constants: `gradient_tape/<ResourceGather>/Const` (the dense shape of
+  the gather's IndexedSlices gradient), and a `Shape*` Const colocated
+  (`_class: loc:@<read>`) with a read whose gather it differentiates;
 - *update*: the value an AssignVariableOp / AssignAdd / AssignSub writes has
-  the variable's shape (TF checks it when the op runs); ResourceApply*: the
-  gradient and the other handles (slots) have the variable's shape;
+  the variable's shape (TF checks it when the op runs); for ResourceApply*,
+  so has the gradient; ResourceScatter* fix all but the first dimension;
 - *reader*: the op a read feeds fixes dimensions of the variable: MatMul and
   BatchMatMul (the contracted dimension from the other operand, the other
-  from the output), Einsum (each letter's size wherever it is known), BiasAdd
-  (the channel dimension), ResourceGather / GatherV2 (all but the first);
-- *gradient*: TF's gradient code folds the static shapes of the forward
-  tensors it differentiates into constants `gradient_tape/<op>/Shape` (input
-  0 of <op>) and `.../Shape_1` (input 1), often left dead in the graph. They
-  are given to the inference as EnsureShape hints on those tensors, only
-  where the tensor's known rank and dimensions agree with the constant;
-- *operand* (when the rules above learn nothing new): a variable whose update
-  combines its own value elementwise with other tensors (Adam's moments:
+  one from the output), Einsum (each letter's size wherever it is known),
+  BiasAdd (the channel dimension), ResourceGather / GatherV2 (all but the
+  first dimension);
+- two helpers make more tensors known to the inference: gradient code also
+  leaves the static shapes of the forward tensors it differentiates as
+  constants `gradient_tape/<op>/Shape` (input 0 of <op>) and `.../Shape_1`
+  (input 1), often dead; they become EnsureShape hints on those tensors, but
+  only where the tensor's rank and known dimensions agree with the constant.
+  And integer arithmetic on constants (the StridedSlice / ConcatV2 that
+  gradient code applies to those shapes, which Grappler does not evaluate)
+  is evaluated once by TensorFlow and becomes constants in the copy;
+- *operand* (when a round of the above learns nothing new): a variable that
+  its update combines elementwise with other tensors (Adam's moments:
   m += (g - m) * (1 - beta1)) is conjectured to have the shape of one of
-  those tensors (or to be a scalar), all unknown variables at once, and a
-  conjecture is kept only when the inference then gives every update of the
-  variable a value of exactly that shape (as TF itself requires). A variable
-  that is only read, and only ever combined with scalars, is a scalar.
-At the end every update of every variable must write a value of the
-variable's shape; a variable that fails this is left unknown. Dtypes come
-from the ops that read or write the handle (ReadVariableOp's dtype, ...).
+  those tensors, or of the one variable whose update reads it (an optimizer
+  slot has its variable's shape), or to be a scalar; all unknown variables
+  at once. A conjecture is kept only when the inference then gives every
+  update of the variable a value of exactly that shape (as TF requires at
+  run time), checked again with only the passing conjectures in place (one
+  may have passed thanks to another one that failed); a conjecture an
+  update contradicts is not tried again;
+- *scalar operand*: a variable that is only read, and only ever combined
+  with scalars (a learning rate), is a scalar.
+At the end every update of every variable must write a value compatible
+with the variable's shape; a variable that fails this is left unknown.
 
 `variables_from` (a checkpoint prefix or SavedModel directory) adds the saved
-variables: see `match_saved_variables` for the matching rule.
+variables (`--variables`): see `match_saved_variables` for the matching rule.
+Variables still without a shape get a name and dtype but no shape attr; the
+commands that need shapes refuse them in one line (`require_variable_shapes`).
 
-Names (documented heuristic; deterministic, unique):
+Names (a heuristic; deterministic, unique):
 - the *scope* of a variable is that of its first read in the forward pass
   (the read's name without its own last component, and without the op it
   was created for when that op exists: `.../fc1/MatMul/ReadVariableOp` ->
   `.../fc1`), without trailing scopes that name an op or a TF helper
   (`batchnorm`, `Tensordot`, `einsum`, `moments`, `embedding_lookup`, any
-  registered op name); when every forward scope component ends in `_<n>`
-  (Keras 3 re-enters its layer scopes as `gpt_1/block_0_1/...`), one `_<n>`
-  is dropped from each;
-- the last component is the variable's role, as Keras names it: `kernel`
-  (an operand of MatMul / BatchMatMul / Einsum / Conv), `embeddings` (the
-  table of a gather, or added to a gather's output), `bias` (BiasAdd, or
-  added to a contraction's output), `gamma` (multiplies), `beta` (added, in
-  a scope whose other variable multiplies), else `variable`;
+  registered op name); when every component of every forward scope ends in
+  `_<n>` (Keras 3 re-enters its layer scopes: `gpt_1/block_0_1/mlp_1/...`),
+  one `_<n>` is dropped from each;
+- the last component is the variable's role, named as Keras names it:
+  `kernel` (an operand of MatMul / BatchMatMul / Einsum / Conv, through
+  Identity / Cast / Reshape), `embeddings` (the table of a gather, or added
+  to a gather's output), `bias` (BiasAdd, or added to a contraction's
+  output), `gamma` (multiplies), `beta` (added, in a scope whose other
+  variable multiplies), else `variable`;
 - a variable not read in the forward pass whose reads feed the update of
-  exactly one trainable variable W is an optimizer slot: `<scope>/<W>/slot_k`
-  (k in node order); an integer scalar that is only incremented is
-  `<scope>/iteration`; anything else `<scope>/variable`;
-- clashes get `_1`, `_2`, ... in node order.
-Trainable: read in the forward pass and updated from a gradient.
+  exactly one trainable variable W is an optimizer slot of W, named
+  `<its scope>/<W's name>/slot_<k>` (k in node order); an integer scalar that
+  is updated is `<scope>/iteration`; anything else `<scope>/variable`;
+- clashes get `_1`, `_2`, ... in node order (forward variables first).
+Trainable: read in the forward pass and updated from a gradient (an update
+depends, through data or control edges, on a `gradient_tape/` op).
 
 Outputs: the sinks named `Identity`, `Identity_1`, ... (how a tf.function
 graph returns its results, after a control edge from the NoOp that runs its
-side effects), in that order; inputs: the non-resource placeholders, in node
-order (a plain graph cannot tell them from captured non-variable tensors).
+side effects), in that order; failing that, Identity sinks with a control
+input from a NoOp. Inputs: the non-resource placeholders, in node order (a
+plain graph cannot tell arguments from captured non-variable tensors).
+Both are marked only when the graph has no marks.
 """
 import collections
 import dataclasses
 import os
 import re
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 from absl import logging
 from tensorflow.core.framework import graph_pb2
@@ -741,8 +766,15 @@ def _fixpoint(graph, st, inf, variables):
     return out
 
   inf.run(var_shapes())
+  known = 0
   for _ in range(_MAX_ROUNDS):
     progress = False
+    now_known = sum(v.known for v in variables)
+    if now_known != known:
+      # A rejection may have come from another wrong conjecture: with more
+      # variables known, every candidate gets another chance.
+      tried.clear()
+      known = now_known
     # Direct rules.
     for v in variables:
       if v.known:
@@ -823,6 +855,17 @@ def _fixpoint(graph, st, inf, variables):
   _check_updates(st, inf, variables)
 
 
+def _solve(graph, st, inf, variables):
+  """_fixpoint, leaving shapes unknown if TF's shape inference fails."""
+  known = {v.node: (v.shape, v.source) for v in variables if v.known}
+  try:
+    _fixpoint(graph, st, inf, variables)
+  except GraphValidationError as e:
+    logging.info("shape recovery stopped: %s", e)
+    for v in variables:
+      v.shape, v.source = known.get(v.node, (None, None))
+
+
 def _check_updates(st, inf, variables):
   """Every update must write a value of its variable's shape."""
   for v in variables:
@@ -830,8 +873,8 @@ def _check_updates(st, inf, variables):
       continue
     for value in _update_shapes(st, inf, v):
       if value is not None and not _compatible(value, v.shape):
-        logging.warning("recovered shape %s of variable '%s' disagrees with an update "
-                        "writing %s; leaving it unknown", v.shape, v.node, value)
+        logging.info("recovered shape %s of variable '%s' disagrees with an update "
+                     "writing %s; leaving it unknown", v.shape, v.node, value)
         v.source = None
         break
 
@@ -847,9 +890,9 @@ def _is_op_scope(component):
 
 def _read_scope(graph, read):
   parts = read.name.split("/")[:-1]
-  if read.op == "ReadVariableOp" and len(parts) > 1 and "/".join(parts) in graph:
+  if read.op == "ReadVariableOp" and parts and "/".join(parts) in graph:
     parts = parts[:-1]  # the op the read was made for: '.../fc1/MatMul/ReadVariableOp'
-  while len(parts) > 1 and _is_op_scope(parts[-1]):
+  while parts and _is_op_scope(parts[-1]):
     parts = parts[:-1]
   return parts
 
@@ -1172,13 +1215,13 @@ def recover(graph_def, variables_from=None):
   variables = [Recovered(h, dtype=variables_lib._dtype_from_users(graph, graph.node(h)))  # pylint: disable=protected-access
                for h in handles]
   inf = _Inference(graph)
-  _fixpoint(graph, st, inf, variables)
+  _solve(graph, st, inf, variables)
   _name_variables(graph, st, variables, outputs)
   if variables_from is not None:
     saved = read_saved_variables(variables_from)
     report.matched = match_saved_variables(variables, saved)
     if report.matched and any(not v.known for v in variables):
-      _fixpoint(graph, st, inf, variables)  # saved shapes may determine others
+      _solve(graph, st, inf, variables)  # saved shapes may determine others
   report.variables = variables
   report.hints = len(inf.hints)
   report.rounds = inf.runs

@@ -80,6 +80,9 @@ _TENSOR_FIELDS = {
     types_pb2.DT_VARIANT: ("variant_val", 1),
 }
 _CONST_OPS = frozenset(["Const", "HostConst"])
+# String attrs that tfsplit reads as text (variable names, einsum equations).
+_TEXT_ATTRS = {"VarHandleOp": "shared_name", "Einsum": "equation",
+               "XlaEinsum": "equation"}
 
 
 def _dtype_name(dtype):
@@ -313,9 +316,23 @@ def _check_attr_value(spec, key, value, attr_def):
   return None
 
 
+def _not_text(key, strings):
+  """A problem if one of `strings` (bytes) is not UTF-8 text, else None."""
+  for text in strings:
+    try:
+      text.decode("utf-8")
+    except UnicodeDecodeError:
+      return f"attr '{key}' holds {text[:40]!r}, which is not UTF-8 text"
+  return None
+
+
 def _check_private_attr(key, value):
+  if key == "_class":  # colocation: ['loc:@node', ...]
+    return _not_text(key, value.list.s)
   field = _PRIVATE_ATTRS.get(key)
   if field is None:
+    if key.startswith("_tfsplit") and value.WhichOneof("value") == "s":
+      return _not_text(key, (value.s,))
     return None
   kind = _value_kind(value)
   if kind != _FIELD_KIND[field]:
@@ -325,6 +342,8 @@ def _check_private_attr(key, value):
     return _check_shape(value.shape, f"tfsplit attr '{key}'")
   if field == "type":
     return _check_dtype(value.type, f"tfsplit attr '{key}'")
+  if field == "s":
+    return _not_text(key, (value.s,))
   return None
 
 
@@ -362,6 +381,11 @@ def _check_attrs(spec, node):
         continue  # calls of library functions may carry extra attrs
       return f"has attr '{key}', which op {spec.name} does not define"
     problem = _check_attr_value(spec, key, value, attr_def)
+    if problem:
+      return problem
+  text_attr = _TEXT_ATTRS.get(spec.name)
+  if text_attr is not None and text_attr in node.attr:
+    problem = _not_text(text_attr, (node.attr[text_attr].s,))
     if problem:
       return problem
   if found < len(required):

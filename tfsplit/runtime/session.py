@@ -18,6 +18,7 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import write_atomically
 from tfsplit.graph.layers import graph_outputs
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
+from tfsplit.runtime import seeds
 from tfsplit.runtime.devices import required_devices
 from tfsplit.runtime.graph_function import graph_inputs
 from tfsplit.sharding.builder import read_records
@@ -209,16 +210,6 @@ def microbatch_labels(events, roles, mesh, graph_def):
 
 def seeded_values(graph_def, manifest=None, seed=0):
   """Variable values for a rewritten graph: shards of seeded full values."""
-  from tfsplit.runtime import shards as shards_lib  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime.verify import seeded_variable_values  # pylint: disable=import-outside-toplevel
   if manifest is None:
-    return seeded_variable_values(Graph(graph_def), seed)
-  rng = np.random.RandomState(seed)
-  full = {}
-  for name, entry in sorted(manifest.items()):
-    dtype = np.dtype(entry["dtype"]) if entry["dtype"] != "unknown" else np.float32
-    if np.issubdtype(dtype, np.integer):
-      full[name] = np.zeros(entry["shape"], dtype)
-    else:
-      full[name] = (rng.uniform(0, 0.1, entry["shape"])).astype(dtype)
-  return shards_lib.shard_values(manifest, full)
+    return seeds.seeded_variable_values(Graph(graph_def), seed)
+  return seeds.seeded_manifest_values(manifest, seed)

@@ -111,7 +111,8 @@ class _Materializer(object):
                      "offsets": list(spec.offsets(info.shape, self.mesh, d)),
                      "shape": list(local_shape)})
     self.manifest[info.name] = {"dtype": info.dtype_name, "shape": list(info.shape),
-                                "sharding": list(spec.dims), "shards": shards}
+                                "trainable": info.trainable, "sharding": list(spec.dims),
+                                "shards": shards}
 
   def graph_input(self, node):
     """Graph inputs keep their name; each device reads its block of them."""
