@@ -20,8 +20,12 @@ computes linear parts bit-exactly and comparisons / Floor / ArgMax on them
 cannot flip on rounding.
 
 Fallbacks (ops forced to replicate their split inputs) are checked against
-the row's documented `fallbacks`; a rule raising internally ("split rule
-failed") always fails the test.
+the row's documented `fallbacks`; a rule raising internally always fails the
+test (conftest sets TFSPLIT_STRICT_RULES; the "internal error" fallback is
+rejected as well). The op under test must appear in the split graph.
+
+`python tests/test_rules.py` breaks four rules in memory and checks that the
+harness notices each (run by the slow test_harness_catches_broken_rules).
 """
 import collections
 import dataclasses
@@ -545,7 +549,7 @@ class Built(object):
         for t in (out if isinstance(out, (list, tuple)) else [out]):
           outs.append(tf.cast(t, tf.int32) if t.dtype == tf.bool else t)
       return outs
-    self.fn = tf.function(fn)
+    self.fn = tf.function(fn, autograph=False)
 
   def _var(self, name, value, role, group):
     v = _Var(tf.Variable(value, name=name), name, value, role, group)

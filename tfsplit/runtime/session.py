@@ -7,7 +7,6 @@ VarHandleOps named after their variable (shard), initialised from values.
 """
 import json
 
-import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
