@@ -118,7 +118,7 @@ def _chain_of_variables(n):
 def test_variable_shardings_that_do_not_settle():
   """Constructed, not forced: a chain of as many variables as there are
   inference rounds is still changing in the last round."""
-  rounds = propagate_lib._MAX_VARIABLE_ROUNDS  # pylint: disable=protected-access
+  rounds = propagate_lib._MAX_ROUNDS  # pylint: disable=protected-access
   graph_def = _chain_of_variables(rounds)
   with pytest.raises(PlanError) as e:
     split_graph(graph_def, Mesh.parse("tp=2"), strategy="none",

@@ -37,7 +37,7 @@ from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.runtime.graph_function import graph_inputs
 from tfsplit.sharding.materialize import materialize
-from tfsplit.sharding.propagate import propagate_with_variables
+from tfsplit.sharding.propagate import propagate
 from tfsplit.sharding.spec import Sharding
 from tfsplit.strategies.megatron import megatron_plan
 
@@ -92,9 +92,8 @@ def propagate_layouts(state):
     dims = state.plan.get(var.node, (None,) * len(var.shape))
     specs[var.node] = Sharding(tuple(dims))
     specs[var.node].local_shape(var.shape, mesh, f"variable '{var.name}'")
-  state.propagation = propagate_with_variables(
-      analysis.graph, analysis.shapes, mesh, specs, state.input_specs, analysis.variables,
-      state.explicit)
+  state.propagation = propagate(analysis.graph, analysis.shapes, mesh, specs,
+                                state.input_specs, analysis.variables, state.explicit)
 
 
 def assign_stages(state):

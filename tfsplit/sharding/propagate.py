@@ -25,6 +25,8 @@ from tfsplit.rules.base import Decision, OpContext, fallback
 from tfsplit.sharding.spec import Sharding
 
 _MAX_CONST_ELEMENTS = 1024
+# Rounds of two-way propagation before shardings count as unsettled.
+_MAX_ROUNDS = 6
 # Set to 1 (the tests do) to let an exception inside a split rule propagate.
 STRICT_RULES_ENV = "TFSPLIT_STRICT_RULES"
 # Ops that pass a resource handle through unchanged.
@@ -52,26 +54,35 @@ def _is_resource(info):
   return info is not None and info.dtype == types_pb2.DT_RESOURCE
 
 
-def propagate(graph, shapes, mesh, variable_specs, input_specs=None, reduce_hint=()):
-  """Propagation of shardings over `graph` (a tfsplit Graph).
+def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(),
+              explicit=None):
+  """Propagation of shardings over `graph` (a tfsplit Graph), both ways.
 
-  A partial sum that one consumer needs whole would otherwise be reduced
-  once for that consumer and again, later, for every linear consumer that
-  carried it on (a LayerNorm's beta gradient next to its input gradient).
-  So propagation repeats with such tensors reduced right at their producer
-  until nothing changes: each partial sum is then reduced exactly once.
-  reduce_hint: tensors a previous propagation reduced at their producer (a
-  good start; entries that are no longer partial are ignored).
+  Each round sweeps forward (every op's rule decides its outputs from the
+  shardings its inputs arrive in, and what it needs of them), then backward,
+  from consumers to producers:
+  - a partial sum that some consumer needs whole is reduced right at its
+    producer (else it is reduced once for that consumer and again for every
+    linear consumer that carried it on: a LayerNorm's beta gradient next to
+    its input gradient), so each partial sum is reduced exactly once;
+  - a variable the plan left open (a bias, an optimizer slot; not in
+    `explicit`) takes the sharding its users ask of it.
+  Rounds repeat until neither changes.
   """
-  reduce_at_source = set(reduce_hint)
-  for _ in range(8):
-    prop = _propagate_once(graph, shapes, mesh, variable_specs, input_specs or {},
-                           reduce_at_source)
+  specs, explicit = dict(variable_specs), dict(explicit or {})
+  reduce_at_source = set()
+  for _ in range(_MAX_ROUNDS):
+    prop = _propagate_once(graph, shapes, mesh, specs, input_specs or {}, reduce_at_source)
     needed = _partials_needed_whole(graph, prop) - reduce_at_source
-    if not needed:
+    inferred = infer_variable_specs(graph, prop, variables, explicit)
+    changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
+    if not needed and not changed:
       return prop
     reduce_at_source |= needed
-  return prop
+    for handle, dims in changed.items():
+      specs[handle] = Sharding(tuple(dims))
+      explicit[handle] = dims
+  raise PlanError("variable shardings did not settle; annotate the variables")
 
 
 def _partials_needed_whole(graph, prop):
@@ -179,7 +190,6 @@ def _decide(ctx, fallbacks):
   return decision
 
 
-_MAX_VARIABLE_ROUNDS = 4
 
 
 def infer_variable_specs(graph, prop, variables, explicit):
@@ -223,21 +233,3 @@ def infer_variable_specs(graph, prop, variables, explicit):
           if slot in candidates:
             found[slot] = found[handles[0]]
   return found
-
-
-def propagate_with_variables(graph, shapes, mesh, variable_specs, input_specs, variables,
-                             explicit):
-  """propagate(), with the shardings of variables the plan left open (biases,
-  optimizer slots) adopted from their users until they settle."""
-  specs, explicit, hint = dict(variable_specs), dict(explicit), ()
-  for _ in range(_MAX_VARIABLE_ROUNDS):
-    prop = propagate(graph, shapes, mesh, specs, input_specs, hint)
-    hint = set(prop.reduced_at_source)
-    inferred = infer_variable_specs(graph, prop, variables, explicit)
-    changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
-    if not changed:
-      return prop
-    for handle, dims in changed.items():
-      specs[handle] = Sharding(tuple(dims))
-      explicit[handle] = dims
-  raise PlanError("variable shardings did not settle; annotate the variables")
