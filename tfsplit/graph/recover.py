@@ -80,10 +80,11 @@ Names (a heuristic; deterministic, unique):
 Trainable: read in the forward pass and updated from a gradient (an update
 depends, through data or control edges, on a `gradient_tape/` op).
 
-Outputs: the sinks named `Identity`, `Identity_1`, ... (how a tf.function
-graph returns its results, after a control edge from the NoOp that runs its
-side effects), in that order; failing that, Identity sinks with a control
-input from a NoOp. Inputs: the non-resource placeholders, in node order (a
+Outputs: the Identity sinks with a control input from a NoOp (how a
+tf.function graph with side effects returns its results: `Identity`,
+`Identity_1`, ... after the NoOp that runs its stateful ops), failing that
+(no side effects) the sinks named `Identity`, `Identity_<n>`; in the order
+of their number. Inputs: the non-resource placeholders, in node order (a
 plain graph cannot tell arguments from captured non-variable tensors).
 Both are marked only when the graph has no marks.
 """
@@ -552,17 +553,17 @@ class _Structure(object):
 
 
 def _recover_outputs(graph):
-  sinks = [n for n in graph.nodes if not graph.consumers(n.name)]
-  named = []
-  for node in sinks:
-    m = _OUTPUT_NAME.match(node.name)
-    if m and node.op in ("Identity", "IdentityN"):
-      named.append((int(m.group(1) or 0), node.name))
-  if named:
-    return [name for _, name in sorted(named)]
+  """The function's results: see the module doc."""
   noops = {n.name for n in graph.nodes if n.op == "NoOp"}
-  return [n.name for n in sinks if n.op == "Identity" and
-          any(c in noops for c in Graph.control_inputs(n))]
+  sinks = [n for n in graph.nodes if not graph.consumers(n.name) and
+           n.op in ("Identity", "IdentityN")]
+  after_noop = [n for n in sinks if any(c in noops for c in Graph.control_inputs(n))]
+  named = [n for n in sinks if _OUTPUT_NAME.match(n.name)]
+
+  def number(node):
+    m = _OUTPUT_NAME.match(node.name)
+    return int(m.group(1) or 0) if m else -1
+  return [n.name for n in sorted(after_noop or named, key=number)]
 
 
 def _data_ancestors(graph, roots):
