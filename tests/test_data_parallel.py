@@ -8,7 +8,7 @@ import tensorflow as tf
 import tfsplit
 from tfsplit.errors import PlanError
 from tfsplit.graph import Graph, load_graph
-from tfsplit.graph.layers import graph_outputs
+from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.passes import split_graph
 

@@ -13,8 +13,7 @@ import tensorflow as tf
 import _util
 from tfsplit.cli import run
 from tfsplit.graph import Graph, find_variables, load_graph
-from tfsplit.graph.layers import graph_outputs
-from tfsplit.runtime.graph_function import graph_inputs
+from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 
 FLAVOURS = ["gpt_raw", "gpt_keras3", "gpt_tfkeras"]
 

@@ -12,7 +12,6 @@ import os
 import numpy as np
 import pytest
 from tensorflow.core.framework import graph_pb2
-from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 

@@ -90,7 +90,7 @@ def _measure(fn, inputs, device, steps, warmup):
 def _waits(graph_def):
   """(input slices waiting on control inputs, input slices) of a split graph."""
   from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime.graph_function import graph_inputs  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
   inputs = set(graph_inputs(Graph(graph_def)))
   slices = [n for n in graph_def.node if n.op == "Slice" and n.input and
             n.input[0] in inputs]

@@ -64,8 +64,7 @@ def _feed_value(dtype, shape, rng):
 
 def _session_graph(graph_def, graph, rng):
   """A tf.Graph running `graph_def` on fresh variables; (graph, fetches, feeds)."""
-  from tfsplit.graph.layers import graph_outputs  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime.graph_function import graph_inputs  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.endpoints import graph_inputs, graph_outputs  # pylint: disable=import-outside-toplevel
   variables = variables_lib.find_variables(graph)
   unknown = [v for v in variables if v.shape is None or not v.dtype]
   if unknown:
@@ -123,7 +122,8 @@ def _function_step_time(graph_def, graph, repeats, seed):
   Timed the way a user runs a training step (an eager call of a function,
   which costs more per call than Session.run), on fresh variables.
   """
-  from tfsplit.runtime.graph_function import graph_inputs, import_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
   variables = []
   for var in variables_lib.find_variables(graph):

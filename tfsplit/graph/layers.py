@@ -22,12 +22,13 @@ kept, or recomputed, between forward and backward).
 """
 import collections
 import dataclasses
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 from tfsplit import constants
 from tfsplit.constants import BACKWARD, FORWARD, ROLES, UPDATE
 from tfsplit.graph import flops as flops_lib
 from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.graph.ir import Graph, parse_input, without_gc
 
 TOP_LAYER = "(top)"          # forward ops above the layer scopes (e.g. the loss)
@@ -88,17 +89,6 @@ def _scope(name):
 
 def _is_write(node):
   return constants.is_write_op(node.op)
-
-
-def graph_outputs(graph):
-  """Output node names: marked by tfsplit's loader, else data-producing sinks."""
-  marked = [(n.attr[variables_lib.OUTPUT_INDEX_ATTR].i, n.name) for n in graph.nodes
-            if variables_lib.OUTPUT_INDEX_ATTR in n.attr]
-  if marked:
-    return [name for _, name in sorted(marked)]
-  return [n.name for n in graph.nodes
-          if not graph.consumers(n.name) and n.op not in ("NoOp",)
-          and not _is_write(n)]
 
 
 def _data_ancestors(graph, roots):

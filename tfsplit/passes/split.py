@@ -35,7 +35,7 @@ from tfsplit.passes.result import SplitResult
 from tfsplit.pipeline import microbatches as microbatch_lib
 from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
-from tfsplit.runtime.graph_function import graph_inputs
+from tfsplit.graph.endpoints import graph_inputs
 from tfsplit.sharding.materialize import materialize
 from tfsplit.sharding.propagate import propagate
 from tfsplit.sharding.spec import Sharding

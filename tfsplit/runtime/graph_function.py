@@ -10,6 +10,7 @@ import tensorflow as tf
 
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.graph.ir import Graph
 
 
@@ -17,16 +18,6 @@ def variable_key(variable):
   """The name tfsplit records for a tf.Variable or Keras variable."""
   name = getattr(variable, "path", None) or variable.name
   return name[:-2] if name.endswith(":0") else name
-
-
-def graph_inputs(graph):
-  """Input placeholder names, in the order the original function took them."""
-  marked = [(n.attr[variables_lib.INPUT_INDEX_ATTR].i, n.name) for n in graph.nodes
-            if variables_lib.INPUT_INDEX_ATTR in n.attr]
-  if marked:
-    return [name for _, name in sorted(marked)]
-  return [n.name for n in graph.nodes if n.op == "Placeholder" and
-          not variables_lib.is_variable_node(n)]
 
 
 def import_graph(graph_def, variables=(), inputs=None, outputs=None):
@@ -38,7 +29,6 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
   inputs / outputs: node or tensor names; default: the ones tfsplit marked
     when loading (the original function's arguments and results).
   """
-  from tfsplit.graph.layers import graph_outputs  # pylint: disable=import-outside-toplevel
   graph = Graph(graph_def)
   inputs = list(inputs) if inputs is not None else graph_inputs(graph)
   outputs = list(outputs) if outputs is not None else graph_outputs(graph)

@@ -9,7 +9,7 @@ import tensorflow as tf
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import find_variables
 from tfsplit.runtime import shards as shards_lib
-from tfsplit.runtime.graph_function import graph_inputs
+from tfsplit.graph.endpoints import graph_inputs
 
 _GATHERS = ("ResourceGather", "GatherV2", "Gather")
 

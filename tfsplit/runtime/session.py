@@ -15,11 +15,10 @@ from tfsplit.errors import TfsplitError
 from tfsplit.graph import Graph, find_variables
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import write_atomically
-from tfsplit.graph.layers import graph_outputs
+from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.runtime import seeds
 from tfsplit.runtime.devices import required_devices
-from tfsplit.runtime.graph_function import graph_inputs
 from tfsplit.sharding.builder import read_records
 
 

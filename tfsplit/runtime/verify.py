@@ -14,7 +14,7 @@ import tensorflow as tf
 
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import Graph, load_graph
-from tfsplit.graph.layers import graph_outputs
+from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.passes import manifest as manifest_lib
 from tfsplit.runtime import compare as compare_lib
 from tfsplit.runtime import shards as shards_lib

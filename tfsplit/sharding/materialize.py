@@ -21,7 +21,7 @@ from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import parse_input
-from tfsplit.graph.layers import graph_outputs
+from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.rules.base import Decision
 from tfsplit.sharding.builder import (DeviceGraph, local_name, shard_variable_name,
                                       shard_variable_node, stamp_records, tensor)
@@ -108,7 +108,8 @@ class _Materializer(object):
       self.b.add(new, node.name, d)
       self.b.mark_shared(new.name)
       shards.append({"name": shard_name, "device": self.mesh.devices[d], "device_id": d,
-                     "offsets": list(spec.offsets(info.shape, self.mesh, d)),
+                     "offsets": list(spec.offsets(info.shape, self.mesh, d,
+                                                  f"variable '{info.name}'")),
                      "shape": list(local_shape)})
     self.manifest[info.name] = {"dtype": info.dtype_name, "shape": list(info.shape),
                                 "trainable": info.trainable, "sharding": list(spec.dims),

@@ -11,7 +11,6 @@ import dataclasses
 import os
 from typing import Dict, List
 
-import numpy as np
 from absl import logging
 from tensorflow.core.framework import types_pb2
 
