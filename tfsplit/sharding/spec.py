@@ -72,12 +72,16 @@ class Sharding:
       local[i] //= n
     return tuple(local)
 
-  def offsets(self, shape, mesh, device_id):
+  def offsets(self, shape, mesh, device_id, what="variable"):
     """Start index of `device_id`'s block in each dimension."""
     out = []
     for i, axis in enumerate(self.dims):
       if axis is None:
         out.append(0)
+      elif shape is None or shape[i] is None:
+        raise PlanError(f"{what}: dimension {i} has an unknown size, so its shards "
+                        f"over mesh axis {axis} have no known offsets; give it a "
+                        "static shape or leave it replicated (--annotate)")
       else:
         out.append(mesh.coord_of(device_id, axis) * (shape[i] // mesh.size_of(axis)))
     return tuple(out)
