@@ -692,11 +692,8 @@ def test_resource_gather_refuses_vocab_split():
                   timeout_seconds=TIMEOUT)
 
 
-@pytest.mark.xfail(strict=True, raises=(ValueError, tf.errors.InvalidArgumentError),
-                   reason="CollectiveGatherV2 has no bool kernel and the materializer "
-                   "gathers bool tensors as they are (not a rule bug; the bool rows "
-                   "above are sharded so that nothing bool is gathered)")
-def test_bool_gather_is_unsupported():
+def test_bool_tensors_are_gathered_as_integers():
+  """Collectives have no bool kernel: a split bool tensor is gathered as int32."""
   mask = tf.Variable(np.arange(32).reshape(4, 8) % 3 > 0, name="rule_bool_mask")
 
   @tf.function

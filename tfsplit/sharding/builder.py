@@ -152,6 +152,14 @@ class DeviceGraph(object):
     self.add(node)
     return node.name
 
+  def cast(self, x, src_dtype, dst_dtype, base, device):
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Cast", device=device, input=[x])
+    node.attr["SrcT"].type = src_dtype
+    node.attr["DstT"].type = dst_dtype
+    node.attr["Truncate"].b = False
+    self.add(node)
+    return node.name
+
   def transpose(self, x, perm, base, device, dtype):
     return self._shaping("Transpose", "Tperm", x, perm, base, device, dtype)
 

@@ -188,15 +188,20 @@ class Resharder(object):
       device = self.mesh.devices[d]
       base = f"{src}/port_{port}/{kind}_{safe_axis(axis)}/shard_{d}"
       x = pre(current[d], base, device) if pre else current[d]
+      if info.dtype == types_pb2.DT_BOOL:  # collectives have no bool kernels
+        x = self.b.cast(x, types_pb2.DT_BOOL, types_pb2.DT_INT32, base + "/to_int", device)
       group_key, members = self._group_key(axis, d)
       inputs = [x, self.b.int_const(base + "/group_size", len(members), device),
                 self.b.int_const(base + "/group_key", group_key, device),
                 self.b.int_const(base + "/instance_key",
                                  self._instance(keys, current, d, axis), device)]
-      node = collective_node(op, self.b.unique(base), device, inputs, info.dtype,
-                             self.timeout)
+      carried = types_pb2.DT_INT32 if info.dtype == types_pb2.DT_BOOL else info.dtype
+      node = collective_node(op, self.b.unique(base), device, inputs, carried, self.timeout)
       self.b.add(node, *((src, d) if record else ()))
-      y = post(node.name, base, device) if post else node.name
+      y = node.name
+      if carried != info.dtype:
+        y = self.b.cast(y, carried, info.dtype, base + "/to_bool", device)
+      y = post(y, base, device) if post else y
       self._note_shared(current, d, y)
       out[d] = y
     self.collectives.append(CollectiveRecord(kind, axis, tensor(src, port), consumer,
