@@ -3,9 +3,10 @@ import numpy as np
 import tensorflow as tf
 
 import tfsplit
-from tfsplit import models
 from tfsplit.runtime import compare
 from tfsplit.runtime.verify import batch_size_of, reverse_batch
+
+import models  # examples/models (see conftest.py)
 
 # Collectives fail after this long instead of hanging a test run.
 TIMEOUT = 60.0

@@ -1,5 +1,13 @@
-"""Test session setup: four logical CPU devices, configured before TF starts."""
+"""Test session setup: four logical CPU devices, configured before TF starts;
+the example model zoo (examples/models, `import models`) and the helpers in
+tools/ (`import synthetic`, `import bench_estimate`) importable."""
 import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (os.path.join(_ROOT, "examples"), os.path.join(_ROOT, "tools")):
+  if _path not in sys.path:
+    sys.path.insert(0, _path)
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # An exception inside a split rule fails the test instead of falling back.

@@ -18,10 +18,11 @@ import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.python.framework import tensor_util
 
-from tfsplit import models
 from tfsplit.cli import run
 from tfsplit.graph import Graph, find_variables, load_graph, save_graph
 from tfsplit.report import human_count
+
+import models  # examples/models (see conftest.py)
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -53,7 +54,7 @@ def _raw_graph_def(path):
 
 def _rewrite(tmp_path, capsys, name, args, source=GPT):
   out = tmp_path / f"{name}.pb"
-  code, stdout, err = _cli(["rewrite", source, "-o", out, "--collective_timeout", "60"]
+  code, stdout, err = _cli(["rewrite", source, "-o", out, "--collective-timeout", "60"]
                            + args, capsys)
   assert code == 0, err
   manifest = json.loads((tmp_path / f"{name}.manifest.json").read_text())

@@ -21,7 +21,7 @@ def _cli(args, capsys):
 def test_rewrite_then_verify(tmp_path, capsys):
   out = tmp_path / "gpt_tp2.pb"
   code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "tp=2",
-                          "--collective_timeout", "60"], capsys)
+                          "--collective-timeout", "60"], capsys)
   assert code == 0, stdout
   assert "8 all-reduce, 0 micro-batch sums, 0 all-gather" in stdout
   manifest = json.loads((tmp_path / "gpt_tp2.manifest.json").read_text())
@@ -61,7 +61,7 @@ def test_rewrite_data_parallel_microbatched(tmp_path, capsys):
   summed over micro-batches in the graph; and exact."""
   out = tmp_path / "gpt_dp2_m2.pb"
   code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "dp=2",
-                          "--microbatches", "2", "--collective_timeout", "60"], capsys)
+                          "--microbatches", "2", "--collective-timeout", "60"], capsys)
   assert code == 0, stdout
   manifest = json.loads((tmp_path / "gpt_dp2_m2.manifest.json").read_text())
   assert manifest["mesh"] == {"dp": 2} and manifest["microbatches"] == 2
@@ -89,7 +89,7 @@ def test_rewrite_pipeline_verify_and_trace(tmp_path, capsys):
   out = tmp_path / "gpt_pp2.pb"
   code, stdout, _ = _cli(["rewrite", TRAIN, "-o", str(out), "--mesh", "dp=1", "--stages",
                           "2", "--microbatches", "4", "--schedule", "1f1b",
-                          "--collective_timeout", "60"], capsys)
+                          "--collective-timeout", "60"], capsys)
   assert code == 0, stdout
   assert "pipeline: 2 stages" in stdout
   code, stdout, _ = _cli(["verify", TRAIN, str(out), "--steps", "2"], capsys)

@@ -6,7 +6,8 @@ import pytest
 
 from tfsplit.cost import cluster as cluster_lib
 from tfsplit.cost import collectives
-from tfsplit.cost.cluster import ClusterSpec, ClusterSpecError, Link
+from tfsplit.cost.cluster import ClusterSpec, Link
+from tfsplit.errors import ClusterSpecError
 
 PRESETS = ["a100-40gb", "a100-80gb", "cpu-host", "h100-80gb", "h200-141gb",
            "v100-16gb", "v100-32gb"]

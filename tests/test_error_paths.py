@@ -268,7 +268,7 @@ def test_checkpoint_that_does_not_exist(tmp_path):
 def mlp_tp2(tmp_path_factory):
   out = tmp_path_factory.mktemp("tp2") / "mlp_tp2.pb"
   assert run(["tfsplit", "rewrite", MLP, "-o", str(out), "--mesh", "tp=2",
-              "--collective_timeout", "60"]) == 0
+              "--collective-timeout", "60"]) == 0
   return out
 
 

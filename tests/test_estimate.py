@@ -7,7 +7,7 @@ from tfsplit import units
 from tfsplit.cli import run
 from tfsplit.errors import TfsplitError
 from tfsplit.memory import estimator
-from tfsplit.memory.estimator import EstimateError
+from tfsplit.errors import EstimateError
 
 P = 100 * 10**9
 

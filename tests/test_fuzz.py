@@ -458,9 +458,11 @@ def _error_kind(message):
       ("dangling_input", "dangling input"), ("cycle", "cycle"),
       ("input_order", "comes after a control input"),
       ("input_count", "data input(s) but op"), ("bad_port", "output(s)"),
-      ("input_dtype", "expects"), ("const_value", "its value"),
-      ("tfsplit_attr", "tfsplit attr"), ("attr", "attr '"),
+      ("const_value", "its value"), ("tfsplit_attr", "tfsplit attr"),
+      ("attr", "attr '"), ("input_dtype", "expects"),
       ("tf_importer", "importer rejected"), ("tf_shape_inference", "shape inference"),
+      ("tf_shape_arithmetic", "static shape arithmetic"),
+      ("plan:unknown_variable_shape", "has an unknown size"),
   ]
   for kind, needle in buckets:
     if needle in message:
@@ -469,7 +471,8 @@ def _error_kind(message):
 
 
 def _run_command(cli_run, argv, work, command):
-  """Runs one CLI command in-process; returns (outcome dict)."""
+  """Runs one CLI command in-process: (exit code, stdout, stderr, traceback
+  of an exception that escaped `tfsplit.cli.run` or None)."""
   out_path = os.path.join(work, f"{command}.stdout")
   err_path = os.path.join(work, f"{command}.stderr")
   crash = None
@@ -587,6 +590,9 @@ def _run_driver_chunk(seed, first, last, workdir, timeout):
   progress_path = os.path.join(workdir, f"progress_{first}.jsonl")
   start = first
   env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED="0")
+  # As a user runs it: a split rule that raises falls back to replication
+  # (conftest makes such rules fail the other tests).
+  env.pop("TFSPLIT_STRICT_RULES", None)
   while start < last:
     began = time.monotonic()
     proc = subprocess.Popen(
@@ -688,6 +694,123 @@ def test_mutation_fuzz(tmp_path):
 @pytest.mark.slow
 def test_mutation_fuzz_many(tmp_path):
   _fuzz(SLOW_CASES, 1, tmp_path)
+
+
+# --- the validation behind it, one problem at a time --------------------------------------
+def _mlp_graph_def():
+  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+  graph_def = graph_pb2.GraphDef()
+  with open(os.path.join(ROOT, "examples", "mlp_raw_train_tiny.pb"), "rb") as f:
+    graph_def.ParseFromString(f.read())
+  return graph_def
+
+
+def _node(graph_def, name):
+  return next(n for n in graph_def.node if n.name == name)
+
+
+def _without_value(g):
+  del _node(g, "loss/Const").attr["value"]
+
+
+def _control_first(g):
+  _node(g, "mlp/layer_0/BiasAdd").input.insert(0, "^x")
+
+
+def _string_t(g):
+  _node(g, "mlp/layer_0/Relu").attr["T"].type = 7
+
+
+def _bad_port(g):
+  _node(g, "mlp/layer_0/Relu").input[0] = "mlp/layer_0/BiasAdd:2"
+
+
+def _wrong_dtype(g):
+  _node(g, "mlp/layer_0/MatMul").input[0] = "labels"
+
+
+def _deleted_input(g):
+  del _node(g, "mlp/layer_0/BiasAdd").input[1]
+
+
+def _foreign_attr(g):
+  _node(g, "mlp/layer_0/Relu").attr["alpha"].f = 0.5
+
+
+def _const_dtype(g):
+  _node(g, "loss/Const").attr["dtype"].type = 1
+
+
+def _recorded_dtype(g):
+  _node(g, "mlp/layer_0/MatMul/ReadVariableOp/resource").attr[
+      "_tfsplit_var_dtype"].type = 3
+
+
+def _recorded_shape(g):
+  shape = _node(g, "mlp/layer_0/MatMul/ReadVariableOp/resource").attr[
+      "_tfsplit_var_shape"].shape
+  shape.dim[0].size += 1
+
+
+def _op_with_line_break(g):
+  _node(g, "mlp/layer_0/Relu").op = "Re\nlu"
+
+
+def _cycle(g):
+  _node(g, "mlp/layer_0/MatMul").input.append("^mlp/layer_0/Relu")
+
+
+@pytest.mark.parametrize("mutate, needles", [
+    (_without_value, ["'loss/Const' (op Const)", "attr 'value'", "missing"]),
+    (_control_first, ["'mlp/layer_0/BiasAdd'", "control inputs ('^name') must come last"]),
+    (_string_t, ["'mlp/layer_0/Relu'", "attr 'T' is string", "allows only"]),
+    (_bad_port, ["reads 'mlp/layer_0/BiasAdd:2'", "has 1 output(s)"]),
+    (_wrong_dtype, ["'mlp/layer_0/MatMul'", "is int32 but op MatMul expects float32"]),
+    (_deleted_input, ["'mlp/layer_0/BiasAdd'", "has 1 data input(s) but op BiasAdd takes 2"]),
+    (_foreign_attr, ["has attr 'alpha', which op Relu does not define"]),
+    (_const_dtype, ["'loss/Const' (op Const)", "its value is a int32 tensor",
+                    "dtype attr says float32"]),
+    (_recorded_dtype, ["'mlp/layer_0/MatMul/ReadVariableOp' (op ReadVariableOp)",
+                       "importer rejected it", "wrong dtype"]),
+    (_recorded_shape, ["importer rejected it", "mlp/layer_0"]),
+    (_op_with_line_break, ["uses op 'Re\\nlu'"]),
+    (_cycle, ["cycle through node", "mlp/layer_0/MatMul"]),
+], ids=lambda v: getattr(v, "__name__", ""))
+def test_validation_names_the_problem(mutate, needles):
+  from tfsplit.errors import GraphValidationError  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.validate import validate_graph_def  # pylint: disable=import-outside-toplevel
+  graph_def = _mlp_graph_def()
+  mutate(graph_def)
+  before = graph_def.SerializeToString(deterministic=True)
+  with pytest.raises(GraphValidationError) as e:
+    validate_graph_def(graph_def, "mlp.pb")
+  message = str(e.value)
+  assert message.startswith("mlp.pb: ") and len(message.splitlines()) == 1, message
+  for needle in needles:
+    assert needle in message, message
+  assert graph_def.SerializeToString(deterministic=True) == before  # not modified
+
+
+def test_unset_attr_takes_its_default():
+  """As tf.graph_util.import_graph_def: an attr present without a value is its
+  OpDef default (tfsplit's own passes leave such attrs behind)."""
+  from tensorflow.core.framework import attr_value_pb2  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.validate import validate_graph_def  # pylint: disable=import-outside-toplevel
+  graph_def = _mlp_graph_def()
+  _node(graph_def, "mlp/layer_0/MatMul").attr["transpose_a"].CopyFrom(
+      attr_value_pb2.AttrValue())
+  validate_graph_def(graph_def, "mlp.pb")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "examples", "*.pb"))),
+                         ids=os.path.basename)
+def test_bundled_graphs_validate(path):
+  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.validate import validate_graph_def  # pylint: disable=import-outside-toplevel
+  graph_def = graph_pb2.GraphDef()
+  with open(path, "rb") as f:
+    graph_def.ParseFromString(f.read())
+  validate_graph_def(graph_def, path)
 
 
 def test_every_mutation_applies():

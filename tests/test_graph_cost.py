@@ -1,7 +1,6 @@
 """Per-op cost, graph simulation, calibration and estimates against measurements."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -12,12 +11,13 @@ from tfsplit.cost import collectives
 from tfsplit.cost import graph_sim
 from tfsplit.cost import op_cost
 from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
+from tfsplit.errors import CostTableError
 from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph
+
+import bench_estimate  # tools/, on sys.path (see conftest.py)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-sys.path.insert(0, os.path.join(ROOT, "tools"))
-import bench_estimate  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLOPS = 1e9        # per device
 LINK = 1e7         # bytes/s between the two devices, no latency
@@ -125,7 +125,7 @@ def test_measured_costs_override_the_roofline(tmp_path):
   assert model.compute_time(cost, 0, "MatMul|other") == pytest.approx(
       0.25 + 3.0 * 2e6 / FLOPS)
   (tmp_path / "bad.json").write_text("{\"version\": 99}")
-  with pytest.raises(op_cost.CostTableError, match="rerun"):
+  with pytest.raises(CostTableError, match="rerun"):
     op_cost.CostTable.load(str(tmp_path / "bad.json"))
 
 
@@ -141,7 +141,7 @@ def test_place_by_layers_spreads_parameters_over_devices():
 def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   graph = os.path.join(EXAMPLES, "mlp_raw_train_tiny.pb")
   table = str(tmp_path / "table.json")
-  assert run(["tfsplit", "calibrate", graph, "--out", table, "--repeats", "2",
+  assert run(["tfsplit", "calibrate", graph, "-o", table, "--repeats", "2",
               "--traced", "1"]) == 0
   assert "measured op shapes" in capsys.readouterr().out
   entries = json.load(open(table, encoding="utf-8"))["entries"]

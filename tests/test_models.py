@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfsplit import models
 from tfsplit.errors import TfsplitError
+
+import models  # examples/models (see conftest.py)
 
 GPT_NAMES = [n for n in models.NAMES if n.startswith("gpt")]
 

@@ -78,7 +78,7 @@ def test_rewrite_then_verify(plain, name, tmp_path, capsys):
   _, _, path = plain[name]
   out = tmp_path / "tp2.pb"
   code, stdout, err = _cli(["rewrite", path, "-o", out, "--mesh", "tp=2",
-                            "--collective_timeout", "60"], capsys)
+                            "--collective-timeout", "60"], capsys)
   assert code == 0, stdout + err
   assert "shape unknown" not in err
   manifest = json.loads((tmp_path / "tp2.manifest.json").read_text())

@@ -3,11 +3,12 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tfsplit import models
 from tfsplit.graph import Graph, load_graph, save_graph
 from tfsplit.graph.layers import BACKWARD, FORWARD, OPTIMIZER_LAYER, detect_layers
 from tfsplit.graph.variables import find_variables
 from tfsplit.runtime.graph_function import import_graph
+
+import models  # examples/models (see conftest.py)
 
 NAMES = ["mlp_raw", "gpt_raw", "mlp_keras3", "gpt_keras3", "mlp_tfkeras", "gpt_tfkeras"]
 _CACHE = {}

@@ -9,8 +9,9 @@ import pytest
 from tfsplit.cost import output
 from tfsplit.cost import pipeline_sim
 from tfsplit.cost.simulator import TaskGraph
-from tfsplit.cost.synthetic import transformer_step
 from tfsplit.errors import PlanError
+
+from synthetic import transformer_step  # tools/ (see conftest.py)
 
 
 def test_chain_and_parallel_devices():

@@ -4,7 +4,6 @@ import pytest
 import tensorflow as tf
 
 import tfsplit
-from tfsplit import models
 from tfsplit.errors import PlanError
 from tfsplit.graph import load_graph
 from tfsplit.runtime import shards as shards_lib
@@ -12,6 +11,7 @@ from tfsplit.runtime.graph_function import import_graph
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.passes import split_graph
 
+import models  # examples/models (see conftest.py)
 from _util import TIMEOUT, check_training, example, names
 
 _example = example

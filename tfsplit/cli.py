@@ -1,8 +1,9 @@
 """The `tfsplit` command: `tfsplit <command> [args] [--flags]`.
 
-Commands live in their own modules and expose ``main(args)`` returning an exit
-code; this module only dispatches and turns TfsplitError into one stderr line
-with exit code 2 (no traceback for user errors).
+Commands live in their own modules (tfsplit/commands/*_cmd.py); parsing their
+flags, --help and usage errors is tfsplit.commands.common's. This module only
+dispatches and turns TfsplitError into one stderr line with exit code 2 (no
+traceback for user errors).
 """
 import importlib
 import os
@@ -15,7 +16,7 @@ COMMANDS = {
     "rewrite": ("tfsplit.commands.rewrite_cmd", "split a graph over a device mesh (writes graph + shard manifest)"),
     "verify": ("tfsplit.commands.verify_cmd", "run original and rewritten graphs on seeded inputs and compare"),
     "trace": ("tfsplit.commands.trace_cmd", "Chrome-trace JSON of one real step of a (rewritten) graph"),
-    "estimate": ("tfsplit.commands.estimate_cmd", "memory of model states from a parameter count; pipeline bubble simulation"),
+    "estimate": ("tfsplit.commands.estimate_cmd", "memory from a parameter count; pipeline simulation; a graph's memory and step"),
     "calibrate": ("tfsplit.commands.calibrate_cmd", "measure op costs on this machine into a cost table"),
 }
 
@@ -27,7 +28,7 @@ USAGE = "usage: tfsplit <command> [args] [--flags]\n\ncommands:\n" + "\n".join(
     "\n\nRun 'tfsplit <command> --help' for the flags of one command.\n"
 
 
-def _quiet_tensorflow():
+def quiet_tensorflow():
   """Imports TensorFlow with its C++ start-up chatter sent to /dev/null.
 
   TF prints several lines on stderr when it loads (oneDNN, CUDA stubs), even
@@ -64,11 +65,12 @@ def run(argv=None):
                      f"{', '.join(COMMANDS)}\n")
     return 2
   if command not in LIGHT_COMMANDS:
-    _quiet_tensorflow()
+    quiet_tensorflow()
+  from tfsplit.commands import common  # pylint: disable=import-outside-toplevel
   from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
   module = importlib.import_module(COMMANDS[command][0])
   try:
-    return module.main([f"tfsplit {command}"] + argv[2:])
+    return common.main(command, module, argv[2:])
   except TfsplitError as e:
     sys.stderr.write(f"tfsplit {command}: error: {e}\n")
     return 2

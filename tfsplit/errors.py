@@ -29,6 +29,35 @@ class DivergedCopiesError(TfsplitError):
   """Copies of one replicated tensor disagree across devices."""
 
 
+class UnitsError(TfsplitError):
+  """A size or count string that cannot be read."""
+
+
+class EstimateError(TfsplitError):
+  """A memory-estimate request that cannot be answered as given."""
+
+
+class ClusterSpecError(TfsplitError):
+  """A cluster spec or preset that is missing, malformed or inconsistent."""
+
+
+class CalibrationError(TfsplitError):
+  """A graph that cannot be run for calibration."""
+
+
+class CostTableError(TfsplitError):
+  """A calibration table that is missing or malformed."""
+
+
+def printable(text):
+  """``text`` with control characters (line breaks too) escaped: a message
+  naming a node of a corrupt graph must still print as one line."""
+  if text.isprintable():
+    return text
+  return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                 for c in text)
+
+
 def node_error(cls, node, problem, fix=None, source=None):
   """Builds ``cls`` with a message naming ``node`` (a NodeDef) and its op.
 
@@ -39,4 +68,4 @@ def node_error(cls, node, problem, fix=None, source=None):
     msg = f"{source}: {msg}"
   if fix:
     msg += f"; {fix}"
-  return cls(msg)
+  return cls(printable(msg))

@@ -8,11 +8,7 @@ and so do the ZeRO and Megatron papers whose numbers the estimator reproduces.
 import math
 import re
 
-from tfsplit.errors import TfsplitError
-
-
-class UnitsError(TfsplitError):
-  """A size or count string that cannot be read."""
+from tfsplit.errors import UnitsError
 
 
 _BYTE_UNITS = {
@@ -30,12 +26,19 @@ _NUMBER_RE = re.compile(
     r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?|[0-9]+\.)\s*([a-zA-Z]*)\s*$")
 
 
-def _split(text, what, example):
+def _scaled(text, what, example, scales, unknown):
+  """A number (or a string: a number and an optional unit from `scales`)
+  times its unit's scale; `unknown`: the error's end for an unknown unit."""
+  if isinstance(text, (int, float)) and not isinstance(text, bool):
+    return float(text)
   match = _NUMBER_RE.match(str(text))
   if not match:
     raise UnitsError(f"cannot read {what} '{text}': expected a number with an "
                      f"optional unit, e.g. {example}")
-  return float(match.group(1)), match.group(2)
+  value, unit = float(match.group(1)), match.group(2)
+  if unit.lower() not in scales:
+    raise UnitsError(f"unknown {what} {unknown.format(unit=unit, text=text)}")
+  return value * scales[unit.lower()]
 
 
 def parse_bytes(text):
@@ -44,14 +47,9 @@ def parse_bytes(text):
   A bare number is bytes. Accepted units: B, KB/K, MB/M, GB/G, TB/T, PB/P
   (powers of 1000) and KiB, MiB, GiB, TiB, PiB (powers of 1024).
   """
-  if isinstance(text, (int, float)) and not isinstance(text, bool):
-    value, unit = float(text), ""
-  else:
-    value, unit = _split(text, "size", "16GB, 80GB or 16GiB")
-  if unit.lower() not in _BYTE_UNITS:
-    raise UnitsError(f"unknown size unit '{unit}' in '{text}'; use B, KB, MB, "
-                     "GB, TB (decimal, 1 GB = 1e9 bytes) or KiB, MiB, GiB, TiB")
-  size = value * _BYTE_UNITS[unit.lower()]
+  size = _scaled(text, "size", "16GB, 80GB or 16GiB", _BYTE_UNITS,
+                 "unit '{unit}' in '{text}'; use B, KB, MB, GB, TB (decimal, "
+                 "1 GB = 1e9 bytes) or KiB, MiB, GiB, TiB")
   if not math.isfinite(size) or size <= 0:
     raise UnitsError(f"size '{text}' must be a positive number of bytes")
   return int(round(size))
@@ -59,14 +57,9 @@ def parse_bytes(text):
 
 def parse_count(text):
   """'100e9', '175B', '1.5M' -> an int count (B = billion, T = trillion)."""
-  if isinstance(text, (int, float)) and not isinstance(text, bool):
-    value, unit = float(text), ""
-  else:
-    value, unit = _split(text, "count", "100e9, 175B or 1.5M")
-  if unit.lower() not in _COUNT_UNITS:
-    raise UnitsError(f"unknown count suffix '{unit}' in '{text}'; use K, M, B "
-                     "(billion) or T (trillion), or write it out as 100e9")
-  count = value * _COUNT_UNITS[unit.lower()]
+  count = _scaled(text, "count", "100e9, 175B or 1.5M", _COUNT_UNITS,
+                  "suffix '{unit}' in '{text}'; use K, M, B (billion) or T "
+                  "(trillion), or write it out as 100e9")
   if not math.isfinite(count) or count < 1:
     raise UnitsError(f"count '{text}' must be a positive number")
   return int(round(count))

@@ -28,9 +28,7 @@ import time
 from absl import app
 from absl import flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
+import benchlib  # sys.path: repo root, examples/ (pylint: disable=unused-import)
 
 _MEMORY_STEPS = 15
 FLAGS = flags.FLAGS
@@ -47,7 +45,7 @@ def measure_one(name, size, steps, with_time):
   """Measured and estimated figures of one model, as a dict."""
   import statistics  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  from tfsplit import models  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import graph_sim, op_cost  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph  # pylint: disable=import-outside-toplevel

@@ -8,16 +8,12 @@ is timed apart from the simulation itself, which should take under 1 s.
 
     python tools/bench_graph_sim.py [--devices 64] [--graph large.pb]
 """
-import os
-import sys
 import time
 
 from absl import app
 from absl import flags
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
+import benchlib  # sys.path: repo root, examples/ (pylint: disable=unused-import)
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("devices", 64, "Devices to place the layers over.")
@@ -38,7 +34,7 @@ def main(argv):
   if FLAGS.graph:
     graph_def = load_graph(FLAGS.graph)
   else:
-    from tfsplit import models  # pylint: disable=import-outside-toplevel
+    import models  # pylint: disable=import-outside-toplevel
     graph_def = load_graph(models.build(FLAGS.model, "large").concrete("train"))
   t_load = time.perf_counter() - t0
   t0 = time.perf_counter()

@@ -17,12 +17,11 @@ from absl import flags
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from benchlib import best_of  # pylint: disable=wrong-import-position
+from benchlib import best_of, define_example_flags  # pylint: disable=wrong-import-position
 from tfsplit.graph import grappler as grappler_lib  # pylint: disable=wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
-flags.DEFINE_string("size", "large", "Example size.")
+define_example_flags("large")
 flags.DEFINE_string("scales", "1,4,16", "Graph size multiples to time.")
 flags.DEFINE_integer("repeats", 3, "Best of this many runs per measurement.")
 flags.DEFINE_boolean("layers", True, "Also time layer detection (inspect).")
@@ -87,7 +86,7 @@ def _ir_pipeline(path, out_path, with_layers):
 
 
 def main(_):
-  from tfsplit import models  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph, save_graph  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   example = models.build(FLAGS.model, size=FLAGS.size)

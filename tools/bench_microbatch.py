@@ -28,7 +28,6 @@ import gc
 import os
 import re
 import statistics
-import sys
 import tempfile
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
@@ -37,15 +36,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from benchlib import allocator_events  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import allocator_events, define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
-flags.DEFINE_string("size", "small", "Example size.")
+define_example_flags("small")
 flags.DEFINE_integer("batch", 32, "Batch size (divisible by every m).", lower_bound=1)
 flags.DEFINE_list("microbatches", ["1", "2", "4", "8"], "Micro-batch counts m.")
 flags.DEFINE_integer("steps", 7, "Measured steps per m (median).", lower_bound=1)
@@ -168,7 +162,7 @@ def main(argv):
   # Before any op runs (the thread pools are created with the context).
   tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
   import tfsplit  # pylint: disable=import-outside-toplevel
-  from tfsplit import models  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
 
   ms = [int(m) for m in FLAGS.microbatches]
   device = _device()

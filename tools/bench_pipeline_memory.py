@@ -61,15 +61,10 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from benchlib import allocator_events  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import allocator_events, define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name).")
-flags.DEFINE_string("size", "small", "Example size.")
+define_example_flags("small")
 flags.DEFINE_integer("batch", 256, "Batch size (divisible by --microbatches).", lower_bound=1)
 flags.DEFINE_integer("stages", 4, "Pipeline stages S (one worker process each).",
                      lower_bound=1)
@@ -415,7 +410,7 @@ def main(argv):
   if FLAGS.worker >= 0:
     _worker_main(FLAGS.worker, [int(p) for p in FLAGS.ports])
     return
-  from tfsplit import models  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
 
   s_count, m = FLAGS.stages, FLAGS.microbatches

@@ -2,7 +2,7 @@
 
 Builds the task DAG of a Megatron-style GPT step (8 pipeline stages x 8-way
 tensor parallelism, 1f1b, two all-reduces per layer each way; see
-tfsplit/cost/synthetic.py) and times building it and simulating it, printing
+tools/synthetic.py) and times building it and simulating it, printing
 tasks per second. The simulation of ~100k+ tasks should take well under 1 s.
 
     python tools/bench_simulator.py [--microbatches 32] [--repeats 3]
@@ -12,7 +12,8 @@ import time
 from absl import app
 from absl import flags
 
-from tfsplit.cost.synthetic import transformer_step
+import benchlib  # sys.path: repo root (pylint: disable=unused-import)
+from synthetic import transformer_step
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("layers", 48, "Transformer layers.")

@@ -19,7 +19,6 @@ import io
 import os
 import pstats
 import re
-import sys
 import time
 
 from absl import app
@@ -28,16 +27,11 @@ from absl import logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
-from benchlib import best_of  # pylint: disable=wrong-import-position
+from benchlib import best_of, define_example_flags  # pylint: disable=wrong-import-position
 from tfsplit.graph import grappler as grappler_lib  # pylint: disable=wrong-import-position
 
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
 FLAGS = flags.FLAGS
-flags.DEFINE_string("model", "gpt_raw", "Example model (tfsplit.models name, a GPT).")
-flags.DEFINE_string("size", "large", "Example size.")
+define_example_flags("large", "examples/models name, a GPT")
 flags.DEFINE_list("meshes", ["tp=2", "tp=4"], "Meshes to split over (tp axis only).")
 flags.DEFINE_integer("repeats", 2, "Best of this many runs per measurement.")
 flags.DEFINE_boolean("grappler_rewritten", True,
@@ -103,7 +97,7 @@ def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # the pass logs one line per split op
-  from tfsplit import models  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel

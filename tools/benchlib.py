@@ -1,6 +1,24 @@
-"""Small helpers shared by the benchmarks in tools/ (not part of the package)."""
+"""Small helpers shared by the benchmarks in tools/ (not part of the package).
+
+Importing it puts the repository root (tfsplit, uninstalled) and examples/
+(the example model zoo: `import models`) on sys.path, so every tool imports
+benchlib before tfsplit or models.
+"""
 import os
+import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+for _path in (ROOT, os.path.join(ROOT, "examples")):
+  if _path not in sys.path:
+    sys.path.insert(0, _path)
+
+
+def define_example_flags(size, what="examples/models name"):
+  """--model and --size: which example of examples/models a benchmark builds."""
+  from absl import flags  # pylint: disable=import-outside-toplevel
+  flags.DEFINE_string("model", "gpt_raw", f"Example model ({what}).")
+  flags.DEFINE_string("size", size, "Example size: tiny, small or large.")
 
 
 def best_of(fn, repeats):

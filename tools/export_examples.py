@@ -20,17 +20,14 @@ from absl import flags
 from absl import logging
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _ROOT not in sys.path:
-  sys.path.insert(0, _ROOT)
-
-from tfsplit import models  # pylint: disable=g-import-not-at-top
+from benchlib import ROOT  # sys.path: repo root, examples/ (pylint: disable=g-import-not-at-top)
+import models  # pylint: disable=g-import-not-at-top,wrong-import-order
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("names", list(models.NAMES), "Example models to export.")
 flags.DEFINE_list("sizes", ["tiny", "small"], "Sizes: tiny, small, large.")
 flags.DEFINE_list("kinds", list(models.KINDS), "Functions: forward, train.")
-flags.DEFINE_string("out_dir", os.path.join(_ROOT, "examples"),
+flags.DEFINE_string("out_dir", os.path.join(ROOT, "examples"),
                     "Directory for the .pb files.")
 flags.DEFINE_integer("seed", 0, "Weight seed (does not change the graphs).")
 flags.DEFINE_integer("jobs", min(4, os.cpu_count() or 1),

@@ -1,1 +1,1 @@
-"""One module per `tfsplit` command; each exposes main(argv) -> exit code."""
+"""One module per `tfsplit` command (*_cmd.py); common.py says what each defines."""

@@ -26,7 +26,7 @@ from absl import logging
 from tensorflow.core.framework import graph_pb2
 
 from tfsplit.cost import op_cost
-from tfsplit.errors import TfsplitError
+from tfsplit.errors import CalibrationError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph
 from tfsplit.graph.shapes import infer_shapes
@@ -35,10 +35,6 @@ _MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
 _ELEMENT_SIZES = (64, 1024, 16384, 262144)
 _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
-
-
-class CalibrationError(TfsplitError):
-  """A graph that cannot be run for calibration."""
 
 
 class Profile:

@@ -26,9 +26,9 @@ import json
 import math
 import os
 
-from tfsplit.cost.output import atomic_write_text
-from tfsplit.errors import TfsplitError
-from tfsplit.units import UnitsError, parse_bytes
+from tfsplit.errors import ClusterSpecError, UnitsError
+from tfsplit.fileio import write_atomically
+from tfsplit.units import parse_bytes
 
 PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 
@@ -36,10 +36,6 @@ PRESET_DIR = os.path.join(os.path.dirname(__file__), "presets")
 # bfloat16 on a V100 or a CPU without native bf16 math).
 _FLOAT_DTYPES = ("float16", "bfloat16", "half", "tf32", "float8_e4m3fn",
                  "float8_e5m2")
-
-
-class ClusterSpecError(TfsplitError):
-  """A cluster spec or preset that is missing, malformed or inconsistent."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +177,7 @@ class ClusterSpec:
 
   def save(self, path):
     """Writes the spec as JSON atomically (temp file, then rename)."""
-    atomic_write_text(path, json.dumps(self.to_json(), indent=2) + "\n")
+    write_atomically(path, json.dumps(self.to_json(), indent=2) + "\n")
 
   @classmethod
   def from_json(cls, obj, source="cluster spec"):
@@ -303,3 +299,28 @@ def from_preset(name, num_devices=None, devices_per_host=None):
              for i in range(count)]
   return ClusterSpec(devices, hosts, name=f"{name} x{count}")
 
+
+def for_graph(spec, num_devices, count=None):
+  """The cluster a graph on `num_devices` devices runs on: `count` (default
+  num_devices) devices of a preset, or a spec file with at least that many."""
+  if spec in preset_names():
+    return from_preset(spec, count or num_devices)
+  cluster = ClusterSpec.load(spec)
+  if cluster.num_devices < num_devices:
+    raise ClusterSpecError(f"cluster '{spec}' has {cluster.num_devices} devices "
+                           f"but the graph uses {num_devices}; give a bigger cluster")
+  return cluster
+
+
+def device_memory_sizes(text):
+  """'16GB,32GiB,h100-80gb' -> [bytes, ...]: sizes or hardware preset names."""
+  sizes = []
+  for token in str(text).split(","):
+    token = token.strip()
+    if token.lower() in preset_names():
+      token = load_preset(token.lower())["device"]["memory_bytes"]
+    if token:
+      sizes.append(parse_bytes(token))
+  if not sizes:
+    raise ClusterSpecError("--device-memory is empty; give sizes such as 16GB,32GB")
+  return sizes

@@ -22,9 +22,8 @@ import json
 import statistics
 
 from tfsplit.cost import collectives
-from tfsplit.cost.cluster import ClusterSpecError
-from tfsplit.cost.output import atomic_write_text
-from tfsplit.errors import TfsplitError
+from tfsplit.errors import ClusterSpecError, CostTableError
+from tfsplit.fileio import write_atomically
 from tfsplit.graph.flops import op_flops
 
 TABLE_VERSION = 1
@@ -57,10 +56,6 @@ _INT_DTYPES = frozenset(["int8", "uint8", "int16", "uint16", "int32", "uint32",
 # Attrs that change an op's work for the same shapes; part of the signature.
 _SIGNATURE_ATTRS = ("transpose_a", "transpose_b", "adj_x", "adj_y", "equation",
                     "data_format", "strides", "padding", "axis", "perm")
-
-
-class CostTableError(TfsplitError):
-  """A calibration table that is missing or malformed."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,7 +269,7 @@ class CostTable:
 
   def save(self, path):
     """Writes the table as JSON atomically (temp file, then rename)."""
-    atomic_write_text(path, json.dumps(self.to_json(), indent=1) + "\n")
+    write_atomically(path, json.dumps(self.to_json(), indent=1) + "\n")
 
   @classmethod
   def load(cls, path):
@@ -283,7 +278,7 @@ class CostTable:
         obj = json.load(f)
     except FileNotFoundError:
       raise CostTableError(f"calibration table '{path}' does not exist; write "
-                           "one with 'tfsplit calibrate --out FILE'") from None
+                           "one with 'tfsplit calibrate -o FILE'") from None
     except (OSError, ValueError) as e:
       raise CostTableError(f"cannot read calibration table '{path}': {e}; it "
                            "must be the JSON 'tfsplit calibrate' writes") \

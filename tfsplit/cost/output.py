@@ -1,41 +1,19 @@
 """Writers for simulated schedules: Chrome-trace / Perfetto JSON and a PNG Gantt.
 
-Files are written whole or not at all (temp file in the same folder, then
-os.replace), so a failed run never leaves a partial trace behind.
+Files are written whole or not at all (tfsplit.fileio.write_atomically), so a
+failed run never leaves a partial trace behind.
 matplotlib is an optional extra (`pip install tfsplit[plot]`), imported only
 when a chart is asked for.
 """
+import io
 import json
-import os
-import tempfile
 
 from tfsplit.errors import TfsplitError
+from tfsplit.fileio import write_atomically
 
 _COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "comm": "#55a868",
            "compute": "#8172b3", "optimizer": "#c44e52"}
 _OTHER_COLOR = "#937860"
-
-
-def _atomic_write(path, write, binary=False):
-  directory = os.path.dirname(os.path.abspath(path))
-  if not os.path.isdir(directory):
-    raise TfsplitError(f"cannot write '{path}': folder '{directory}' does not "
-                       "exist; create it or choose another path")
-  fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-",
-                             suffix=os.path.basename(path))
-  try:
-    with os.fdopen(fd, "wb" if binary else "w",
-                   **({} if binary else {"encoding": "utf-8"})) as f:
-      write(f)
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise
-
-
-def atomic_write_text(path, text):
-  _atomic_write(path, lambda f: f.write(text))
 
 
 def chrome_trace(sim):
@@ -71,7 +49,7 @@ def chrome_trace(sim):
 
 def write_chrome_trace(sim, path):
   trace = chrome_trace(sim)
-  atomic_write_text(path, json.dumps(trace, separators=(",", ":")) + "\n")
+  write_atomically(path, json.dumps(trace, separators=(",", ":")) + "\n")
 
 
 def require_matplotlib():
@@ -136,8 +114,21 @@ def write_gantt(sim, path, title=None):
   ax.legend([h for _, h in pairs], [n for n, _ in pairs], fontsize=8,
             loc="upper left", bbox_to_anchor=(1.0, 1.0))
   fig.tight_layout()
+  png = io.BytesIO()
   try:
-    _atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=120),
-                  binary=True)
+    fig.savefig(png, format="png", dpi=120)
   finally:
     plt.close(fig)
+  write_atomically(path, png.getvalue())
+
+
+def write_schedule(sim, trace=None, gantt=None, title=None):
+  """Writes the simulated schedule as a Chrome trace and/or a PNG Gantt chart
+  (each when its path is given); returns {'trace'|'gantt': path} written."""
+  if gantt:
+    require_matplotlib()
+  if trace:
+    write_chrome_trace(sim, trace)
+  if gantt:
+    write_gantt(sim, gantt, title=title)
+  return {name: path for name, path in (("trace", trace), ("gantt", gantt)) if path}

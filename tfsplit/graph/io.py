@@ -9,7 +9,6 @@ shape and dtype; inputs and outputs are marked). Every failure is a
 GraphLoadError / GraphValidationError naming the file or node.
 """
 import os
-import tempfile
 
 from absl import logging
 from google.protobuf import message as proto_message
@@ -18,6 +17,7 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
 
 from tfsplit.errors import GraphLoadError
+from tfsplit.fileio import write_atomically
 from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.functions import inline_functions
@@ -243,27 +243,3 @@ def save_graph(graph_def, path, as_text=None):
           else graph_def.SerializeToString(deterministic=True))
   write_atomically(path, data)
 
-
-def write_atomically(path, data):
-  """Writes bytes or str `data` to `path` via a temp file and os.replace."""
-  directory = os.path.dirname(os.path.abspath(path))
-  if not os.path.isdir(directory):
-    raise GraphLoadError(f"{path}: the directory {directory} does not exist")
-  if isinstance(data, str):
-    data = data.encode("utf-8")
-  fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
-                             suffix=".tmp", dir=directory)
-  try:
-    # mkstemp makes 0600 files; give the result the usual umask permissions.
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
-    with os.fdopen(fd, "wb") as f:
-      f.write(data)
-      f.flush()
-      os.fsync(f.fileno())
-    os.replace(tmp, path)
-  except BaseException:
-    if os.path.exists(tmp):
-      os.unlink(tmp)
-    raise

@@ -124,6 +124,9 @@ def _inference_copy(graph, var_shapes):
       continue
     new.CopyFrom(node)
     new.device = ""
+    if node.op == "Placeholder" and not new.attr["shape"].HasField("shape"):
+      # No shape attr means any shape; Grappler refuses a feed without one.
+      new.attr["shape"].shape.unknown_rank = True
   return out
 
 

@@ -21,7 +21,7 @@ split perfectly.
 """
 import dataclasses
 
-from tfsplit.errors import TfsplitError
+from tfsplit.errors import EstimateError
 
 PRECISIONS = ("fp32", "mixed")
 
@@ -35,10 +35,6 @@ _OPTIMIZERS = {
 }
 _ALIASES = {"sgd-momentum": "momentum", "sgd_momentum": "momentum",
             "adamw": "adam"}
-
-
-class EstimateError(TfsplitError):
-  """A memory-estimate request that cannot be answered as given."""
 
 
 def optimizer_names():

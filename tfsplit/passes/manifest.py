@@ -13,7 +13,7 @@ import json
 import os
 
 from tfsplit.errors import TfsplitError
-from tfsplit.graph.io import write_atomically
+from tfsplit.fileio import write_atomically
 
 SUFFIX = ".manifest.json"
 

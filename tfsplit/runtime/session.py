@@ -6,21 +6,21 @@ through Sessions too. The graph's captured-variable placeholders become
 VarHandleOps named after their variable (shard), initialised from values.
 """
 import json
+import os
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 
 from tfsplit import constants
 from tfsplit.errors import TfsplitError
-from tfsplit.graph import Graph, find_variables
+from tfsplit.fileio import write_atomically
+from tfsplit.graph import Graph, find_variables, load_graph
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.io import write_atomically
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.runtime import seeds
-from tfsplit.runtime.devices import required_devices
+from tfsplit.runtime.devices import ensure_logical_devices, required_devices
 from tfsplit.sharding.builder import read_records
-
 
 
 def with_variable_handles(graph_def):
@@ -211,3 +211,34 @@ def seeded_values(graph_def, manifest=None, seed=0):
   if manifest is None:
     return seeds.seeded_variable_values(Graph(graph_def), seed)
   return seeds.seeded_manifest_values(manifest, seed)
+
+
+def trace_file(path, output, manifest=None, original=None, seed=0):
+  """Runs the graph at `path` once to warm up and once traced, in a Session
+  on logical CPU devices, and writes a Chrome trace of every op to `output`.
+
+  Ops of a split graph (one with a manifest, default: beside it) are labelled
+  with their micro-batch and forward/backward role, the roles coming from
+  `original` (default: the manifest's source). Returns (op executions, devices).
+  """
+  from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  graph_def = load_graph(path)
+  data = manifest_lib.find(path, manifest)
+  ensure_logical_devices(required_devices(graph_def))
+  runner = SessionRunner(graph_def, seeded_values(graph_def, data["variables"] if data
+                                                  else None, seed))
+  original = original or (data or {}).get("source")
+  source_graph = load_graph(original) if original and os.path.exists(original) else graph_def
+  inputs = seeds.seeded_inputs(Graph(source_graph), seed)
+  runner.run(inputs)
+  _, metadata = runner.run(inputs, trace=True)
+  events = op_events(metadata)
+  labels = {}
+  if data:
+    mesh = Mesh(data["mesh"], data["devices"]).with_microbatches(data.get("microbatches", 1))
+    labels = microbatch_labels(events, detect_layers(Graph(source_graph)).role, mesh,
+                               graph_def)
+  write_chrome_trace(events, output, labels)
+  return len(events), len({e[0] for e in events})

@@ -129,3 +129,23 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
           c.what = f"after step {step + 1}: {c.what}"
       comparisons.extend(found)
   return compare_lib.Report(comparisons, rtol, use_noise, update_rtol)
+
+
+def verify_files(original, rewritten, manifest=None, signature=None, variables=None,
+                 **options):
+  """verify() of two graph files, as `tfsplit verify` runs it.
+
+  manifest: path of the rewritten graph's manifest (default: beside it, if
+  present). signature / variables: how to load `original` (see load_graph).
+  options: verify()'s steps, seed, rtol, int_max, update_rtol.
+  """
+  from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import devices as devices_lib  # pylint: disable=import-outside-toplevel
+  # Devices first: loading a SavedModel starts TensorFlow's runtime, after
+  # which the logical devices the rewritten graph needs can no longer be made.
+  rewritten_def = load_graph(rewritten)
+  devices_lib.ensure_logical_devices(devices_lib.required_devices(rewritten_def))
+  original_def = load_graph(original, signature=signature, variables_from=variables)
+  recover.require_variable_shapes(original_def, original)
+  return verify(original_def, rewritten_def, manifest_lib.find(rewritten, manifest),
+                **options)

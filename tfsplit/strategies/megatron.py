@@ -128,6 +128,10 @@ def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=Non
     if name not in kind or var.node in plan:
       continue
     node = graph.node(name)
+    if var.shape is None or None in var.shape or any(
+        i is None or i.shape is None
+        for i in (shapes.get(t) for t in node.input if not t.startswith("^"))):
+      continue  # a variable or an operand of unknown shape: not split
     letters, out_letters = _operand_letters(node, shapes)
     op_letters = letters[operand]
     if kind[name] == "column":

@@ -1,6 +1,6 @@
 """Example model zoo: the same MLP and GPT in raw TF, Keras 3 and tf_keras.
 
-    from tfsplit import models
+    import models            # examples/ on sys.path (tests and tools/ put it there)
     ex = models.build("gpt_keras3", size="tiny", seed=0)
     loss = ex.train_step(*ex.make_inputs("train", seed=1))
     graph_fn = ex.concrete("train")   # ConcreteFunction, static shapes
@@ -13,8 +13,8 @@ import time
 
 from absl import logging
 
-from tfsplit.models.example import (CONFIGS, FLAVORS, KINDS, NAMES, SIZES,
-                                    ExampleModel, GptConfig, MlpConfig)
+from .example import (CONFIGS, FLAVORS, KINDS, NAMES, SIZES, ExampleModel,
+                      GptConfig, MlpConfig)
 
 
 def build(name, size="tiny", seed=0, batch_size=None):
@@ -22,15 +22,15 @@ def build(name, size="tiny", seed=0, batch_size=None):
 
   batch_size overrides the size's default (static) batch size.
   """
-  from tfsplit.models import example
+  from . import example  # pylint: disable=import-outside-toplevel
   family, flavor = example.split_name(name)
   cfg = example.config_for(family, size, batch_size)
   start = time.time()
   if flavor == "raw":
-    from tfsplit.models import raw
+    from . import raw  # pylint: disable=import-outside-toplevel
     ex = raw.build(family, name, size, cfg, seed)
   else:
-    from tfsplit.models import keras_models
+    from . import keras_models  # pylint: disable=import-outside-toplevel
     if flavor == "keras3":
       import keras as K
     else:

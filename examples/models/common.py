@@ -2,7 +2,7 @@
 import numpy as np
 import tensorflow as tf
 
-from tfsplit.models.example import ExampleModel, GptConfig
+from .example import ExampleModel, GptConfig
 
 
 def signatures(cfg):

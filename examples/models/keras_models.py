@@ -9,8 +9,8 @@ Every layer is named so that graph scopes are stable: `mlp/layer_{i}`,
 import numpy as np
 import tensorflow as tf
 
-from tfsplit.models import common
-from tfsplit.models.example import GptConfig
+from . import common
+from .example import GptConfig
 
 
 def _define(K):

@@ -12,8 +12,8 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tfsplit.models import common
-from tfsplit.models.example import GptConfig
+from . import common
+from .example import GptConfig
 
 
 class _Builder:

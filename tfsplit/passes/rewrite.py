@@ -1,0 +1,88 @@
+"""`tfsplit rewrite` on files: load a graph, split it over a mesh, write the
+rewritten graph and its shard manifest.
+
+Both files are serialized before either is written, and each is written
+atomically, so a failed rewrite leaves no output.
+"""
+import time
+
+from tfsplit.errors import TfsplitError
+
+
+def parse_annotation(text):
+  """'VARIABLE_GLOB=DIMS' (e.g. '*/fc1/kernel=-,tp') -> (glob, dims)."""
+  pattern, sep, dims = text.rpartition("=")
+  if not sep or not pattern:
+    raise TfsplitError(f"cannot read --annotate '{text}'; write VARIABLE_GLOB=DIMS, e.g. "
+                       "'*/fc1/kernel=-,tp'")
+  return pattern, tuple(None if d.strip() in ("-", "", "none") else d.strip()
+                        for d in dims.split(","))
+
+
+def parse_layer_ranges(text):
+  """'0:3,3:6' -> [(0, 3), (3, 6)]; None for None."""
+  if not text:
+    return None
+  try:
+    return [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
+  except ValueError:
+    raise TfsplitError(f"cannot read --layers '{text}'; write start:end ranges, "
+                       "e.g. 0:3,3:6") from None
+
+
+def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost"):
+  """The Mesh of `mesh` axes (with a 'pp' axis of `stages` in front when > 1)
+  over devices of type `devices` ('cpu' or 'gpu') of job `job`."""
+  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  axes = Mesh.parse(mesh).axes
+  if stages > 1:
+    if "pp" in axes:
+      raise TfsplitError("give the pipeline either as --stages or as pp= in --mesh, "
+                         "not both")
+    axes = {"pp": stages, **axes}
+  size = 1
+  for s in axes.values():
+    size *= s
+  kind = devices.upper()
+  return Mesh(axes, [f"/job:{job}/replica:0/task:0/device:{kind}:{i}" for i in range(size)])
+
+
+def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cpu",
+                 job="localhost", strategy="megatron", annotate=(), microbatches=1,
+                 schedule="1f1b", collective_timeout=600.0, signature=None,
+                 variables=None):
+  """Splits the graph at `source` and writes it to `output` with its manifest.
+
+  Returns the summary lines of what was done.
+  """
+  from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph, recover, save_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  graph_def = load_graph(source, signature=signature, variables_from=variables)
+  recover.require_variable_shapes(graph_def, source)
+  the_mesh = make_mesh(mesh, stages, devices, job)
+  layer_ranges = parse_layer_ranges(layers)
+  result = split_graph(graph_def, the_mesh, strategy=strategy,
+                       annotations=dict(parse_annotation(a) for a in annotate),
+                       timeout_seconds=collective_timeout, microbatches=microbatches,
+                       schedule=schedule, layer_ranges=layer_ranges)
+  manifest_text = result.manifest_json(source=source)
+  save_graph(result.graph_def, output)
+  write_atomically(manifest_lib.manifest_path(output), manifest_text)
+  split_vars = sum(1 for e in result.manifest.values() if any(e["sharding"]))
+  lines = [f"rewrote {source} over mesh {the_mesh} ({strategy}) in "
+           f"{time.perf_counter() - t0:.2f} s",
+           f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} "
+           f"of {len(result.manifest)} variables split"]
+  if result.partition:
+    lines.append(f"  pipeline: {len(result.partition)} stages {result.partition}, "
+                 f"{schedule} over {microbatches} micro-batches")
+  lines.append(f"  collectives: {result.count('all_reduce')} all-reduce, "
+               f"{result.count('local_sum')} micro-batch sums, "
+               f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} "
+               "fallback(s) to replication")
+  lines += [f"  fallback: {msg}" for msg in result.fallbacks]
+  lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
+  return lines
