@@ -62,6 +62,16 @@ def control_input(node_name):
   return "^" + node_name
 
 
+def element_count(shape):
+  """Elements of a fully known shape, else None."""
+  if shape is None or any(d is None or d < 0 for d in shape):
+    return None
+  n = 1
+  for d in shape:
+    n *= d
+  return n
+
+
 class Graph(object):
   """Indexed view over a GraphDef; the GraphDef's NodeDefs are shared."""
 
@@ -155,6 +165,17 @@ class Graph(object):
         if parse_input(text)[0] not in self._nodes:
           bad.append((node, text))
     return bad
+
+  def data_ancestors(self, roots):
+    """Names of `roots` and every node they read data from, transitively."""
+    seen, stack = set(), list(roots)
+    while stack:
+      name = stack.pop()
+      if name in seen:
+        continue
+      seen.add(name)
+      stack.extend(src for src, _ in Graph.inputs(self.node(name)) if src not in seen)
+    return seen
 
   def topological_order(self):
     """Names in an order where every input comes first (Kahn's algorithm).

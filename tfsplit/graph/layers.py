@@ -91,19 +91,6 @@ def _is_write(node):
   return constants.is_write_op(node.op)
 
 
-def _data_ancestors(graph, roots):
-  seen, stack = set(), list(roots)
-  while stack:
-    name = stack.pop()
-    if name in seen:
-      continue
-    seen.add(name)
-    for src, port in Graph.inputs(graph.node(name)):
-      if src not in seen:
-        stack.append(src)
-  return seen
-
-
 def _common_prefix(paths):
   if not paths:
     return []
@@ -141,7 +128,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     stripped[name] = base
     if is_grad:
       role[name] = BACKWARD
-  forward_set = _data_ancestors(graph, graph_outputs(graph))
+  forward_set = graph.data_ancestors(graph_outputs(graph))
   for name in order:
     if name in role:
       continue

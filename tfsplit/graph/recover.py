@@ -524,7 +524,7 @@ class _Structure(object):
       roots = [parse_input(value)[0] for _, value in self.writers[handle]]
       for node in self.appliers[handle]:
         roots.extend(parse_input(t)[0] for t in node.input[1:] if not t.startswith("^"))
-      for name in _data_ancestors(self.graph, roots):
+      for name in self.graph.data_ancestors(roots):
         node = self.graph.node(name)
         if node.op in _READ_OPS:
           src = parse_input(node.input[0])[0]
@@ -566,18 +566,6 @@ def _recover_outputs(graph):
   return [n.name for n in sorted(after_noop or named, key=number)]
 
 
-def _data_ancestors(graph, roots):
-  seen, stack = set(), list(roots)
-  while stack:
-    name = stack.pop()
-    if name in seen:
-      continue
-    seen.add(name)
-    stack.extend(src for src, _ in Graph.inputs(graph.node(name)) if src not in seen)
-  return seen
-
-
-# --- the fixpoint ----------------------------------------------------------------------
 def _reader_shape(st, inf, var, read):
   """Partial shape of `var` from the ops `read` feeds (None: nothing learnt)."""
   shape = var.shape
@@ -937,7 +925,7 @@ def _producer_kind(graph, text):
 
 
 def _name_variables(graph, st, variables, outputs):
-  forward = _data_ancestors(graph, outputs) if outputs else set()
+  forward = graph.data_ancestors(outputs) if outputs else set()
   forward_reads = {v.node: [r for r in st.reads[v.node] if r.name in forward and
                             not GRADIENT_PREFIX.match(r.name)] for v in variables}
   # Scopes.

@@ -23,7 +23,7 @@ from tensorflow.python.grappler import item as grappler_item
 from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.grappler import metagraph_fetching_sinks
-from tfsplit.graph.ir import Graph, parse_input, without_gc
+from tfsplit.graph.ir import Graph, element_count, parse_input, without_gc
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +41,7 @@ class TensorInfo:
 
   @property
   def num_elements(self):
-    if not self.fully_defined:
-      return None
-    n = 1
-    for d in self.shape:
-      n *= d
-    return n
+    return element_count(self.shape)
 
   @property
   def num_bytes(self):

@@ -35,6 +35,8 @@ Grappler or by TensorFlow running the graph's shape arithmetic.
 On the 48-block GPT training step (41.8k nodes) the checks here take ~0.4 s
 and TensorFlow's import ~0.5 s.
 """
+import collections
+import itertools
 import re
 
 from tensorflow.core.framework import attr_value_pb2
@@ -555,18 +557,15 @@ _DANGLING = object()  # _check_inputs: an input names no node
 def _acyclic(nodes, children):
   """Whether every node can be ordered after its inputs (Kahn's algorithm);
   edges out of NextIteration close TF1 while loops and do not count."""
-  pending = dict.fromkeys(nodes, 0)
-  for src, readers in children.items():
-    if nodes[src].op in _LOOP_BACK_OPS:
-      continue
-    for reader in readers:
-      pending[reader] += 1
-  ready = [name for name, count in pending.items() if count == 0]
+  loop_back = {name for name, node in nodes.items() if node.op in _LOOP_BACK_OPS}
+  pending = collections.Counter(itertools.chain.from_iterable(
+      readers for src, readers in children.items() if src not in loop_back))
+  ready = [name for name in nodes if name not in pending]
   done = 0
   while ready:
     src = ready.pop()
     done += 1
-    if nodes[src].op in _LOOP_BACK_OPS:
+    if src in loop_back:
       continue
     for reader in children[src]:
       pending[reader] -= 1

@@ -16,6 +16,8 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import tensor_shape
 
+from tfsplit.graph.ir import element_count
+
 # Private attrs (leading underscore: TF ignores them when running the graph).
 VAR_NAME_ATTR = "_tfsplit_var_name"
 VAR_SHAPE_ATTR = "_tfsplit_var_shape"
@@ -56,12 +58,7 @@ class VariableInfo:
 
   @property
   def num_elements(self):
-    if self.shape is None or any(d is None or d < 0 for d in self.shape):
-      return None
-    n = 1
-    for d in self.shape:
-      n *= d
-    return n
+    return element_count(self.shape)
 
   @property
   def num_bytes(self):
