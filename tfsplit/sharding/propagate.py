@@ -81,7 +81,10 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(
     for handle, dims in changed.items():
       specs[handle] = Sharding(tuple(dims))
       explicit[handle] = dims
-  raise PlanError("variable shardings did not settle; annotate the variables")
+  names = {v.node: v.name for v in variables}
+  unsettled = ", ".join(sorted(names.get(h, h) for h in changed)[:3]) or "partial sums"
+  raise PlanError(f"variable shardings did not settle (still changing: {unsettled}); "
+                  "annotate the variables")
 
 
 def _partials_needed_whole(graph, prop):
@@ -184,7 +187,9 @@ def _decide(ctx, fallbacks):
   if decision.fallback and arriving_split:
     msg = (f"node '{node.name}' (op {node.op}): {decision.fallback}; its split "
            "inputs are gathered to full tensors (replicated)")
-    logging.warning("fallback to replication: %s", msg)
+    # Reported with the result (SplitResult.fallbacks, rewrite's summary); a
+    # warning here would put lines on stderr before a later one-line error.
+    logging.info("fallback to replication: %s", msg)
     fallbacks.append(msg)
   return decision
 
