@@ -28,7 +28,6 @@ import random
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
