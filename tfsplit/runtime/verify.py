@@ -8,6 +8,7 @@ compared by `tfsplit.runtime.compare`; the original runs a second time on the
 batch in reverse order to measure its own rounding noise.
 """
 import collections
+import hashlib
 
 import numpy as np
 import tensorflow as tf
@@ -52,6 +53,40 @@ def _run(graph_def, variables, inputs, steps, outputs=None):
   return out
 
 
+# The reference runs of the last few originals: checking several rewrites of
+# one graph (the mutation tests, a sweep of meshes) runs the original once.
+_REFERENCES = collections.OrderedDict()
+_MAX_REFERENCES = 4
+
+
+def _reference(original, values, inputs, steps, n_outputs, fresh):
+  """(want, alt, use_noise): the original's outputs and variables after each
+  step, the same on the batch reversed (its rounding noise), and whether that
+  noise estimate holds (the graph does not depend on batch order)."""
+  key = (hashlib.sha256(original.SerializeToString(deterministic=True)).hexdigest(),
+         steps, tuple(hashlib.sha256(np.ascontiguousarray(x).tobytes()).hexdigest()
+                      for x in inputs),
+         tuple(sorted((k, hashlib.sha256(v.tobytes()).hexdigest())
+                      for k, v in values.items())))
+  if key in _REFERENCES:
+    _REFERENCES.move_to_end(key)
+    return _REFERENCES[key]
+  want = _run(original, fresh(values), inputs, steps)
+  batch = batch_size_of(inputs)
+  alt = [(reverse_batch(o, batch), v) for o, v in
+         _run(original, fresh(values), reverse_batch(inputs, batch), steps)]
+  pairs = [(w_vars[k], a_vars[k]) for (_, w_vars), (_, a_vars) in zip(want, alt)
+           for k in w_vars]
+  pairs += [(w, a) for (ws, _), (as_, _) in zip(want, alt) for w, a in zip(ws, as_)]
+  use_noise = batch is not None and compare_lib.typical_noise_is_small(pairs)
+  if not use_noise:
+    alt = [([None] * n_outputs, None)] * steps
+  _REFERENCES[key] = (want, alt, use_noise)
+  while len(_REFERENCES) > _MAX_REFERENCES:
+    _REFERENCES.popitem(last=False)
+  return _REFERENCES[key]
+
+
 def verify(original, rewritten, manifest=None, steps=1, seed=0,
            rtol=compare_lib.DEFAULT_RTOL, int_max=None, every_step=False,
            update_rtol=compare_lib.DEFAULT_UPDATE_RTOL):
@@ -87,18 +122,7 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   def fresh(named_values):
     return {k: tf.Variable(v) for k, v in named_values.items()}
 
-  want = _run(original, fresh(values), inputs, steps)
-  # The reference again, batch reversed: its own rounding noise per tensor.
-  batch = batch_size_of(inputs)
-  alt = [(reverse_batch(o, batch), v) for o, v in
-         _run(original, fresh(values), reverse_batch(inputs, batch), steps)]
-  pairs = [(w_vars[k], a_vars[k]) for (_, w_vars), (_, a_vars) in zip(want, alt)
-           for k in w_vars]
-  pairs += [(w, a) for (ws, _), (as_, _) in zip(want, alt) for w, a in zip(ws, as_)]
-  use_noise = batch is not None and compare_lib.typical_noise_is_small(pairs)
-  if not use_noise:
-    alt = [([None] * len(outputs), None)] * steps
-
+  want, alt, use_noise = _reference(original, values, inputs, steps, len(outputs), fresh)
   new_vars = (shards_lib.create_shard_variables(manifest, values) if manifest is not None
               else fresh(values))
   copies = [(name, d, tensor) for name in outputs for d, tensor in output_copies.get(name, [])]
