@@ -122,14 +122,7 @@ def _evaluate(graph, targets, foldable, shapes):
   """Values of `targets`, computed in a private graph from constants only."""
   g = graph_pb2.GraphDef()
   g.versions.CopyFrom(graph.versions)
-  needed, stack = set(), list(targets)
-  while stack:
-    name = stack.pop()
-    if name in needed:
-      continue
-    needed.add(name)
-    for src, _ in (parse_input(t) for t in graph.node(name).input if not t.startswith("^")):
-      stack.append(src)
+  needed = graph.data_ancestors(targets)
   for name in graph.topological_order():
     if name not in needed:
       continue

@@ -6,6 +6,7 @@ atomically, so a failed rewrite leaves no output.
 """
 import time
 
+from tfsplit import constants
 from tfsplit.errors import TfsplitError
 
 
@@ -36,10 +37,10 @@ def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost"):
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   axes = Mesh.parse(mesh).axes
   if stages > 1:
-    if "pp" in axes:
+    if constants.PIPELINE_AXIS in axes:
       raise TfsplitError("give the pipeline either as --stages or as pp= in --mesh, "
                          "not both")
-    axes = {"pp": stages, **axes}
+    axes = {constants.PIPELINE_AXIS: stages, **axes}
   size = 1
   for s in axes.values():
     size *= s

@@ -77,8 +77,6 @@ def plan_variables(state):
     state.plan.update(megatron_plan(analysis.graph, analysis.shapes, analysis.variables,
                                     axis=axis, mesh=mesh, roles=analysis.roles))
   state.plan.update(_annotation_plan(analysis.variables, config.annotations, mesh))
-  annotated = set(state.plan)
-  state.plan.update(_fused_slot_plan(analysis, state.plan, annotated))
   state.explicit = dict(state.plan)
   batch_axis = config.batch_axis(mesh)
   if batch_axis:
@@ -187,28 +185,6 @@ def _annotation_plan(variables, annotations, mesh):
         plan[var.node] = dims
         break
   return plan
-
-
-def _fused_slot_plan(analysis, plan, annotated):
-  """A fused optimizer op (ResourceApplyAdam, ...) updates its slots with its
-  variable's sharding: unannotated slots of a planned variable follow it."""
-  handles = {v.node for v in analysis.variables}
-
-  def handle(text):
-    name = text.split(":")[0]
-    while name not in handles and analysis.graph.node(name).op == "Identity":
-      name = analysis.graph.node(name).input[0].split(":")[0]
-    return name if name in handles else None
-  found = {}
-  for node in analysis.graph.nodes:
-    if not node.op.startswith("ResourceApply"):
-      continue
-    inputs = [handle(t) for t in node.input if not t.startswith("^")]
-    if inputs and inputs[0] in plan:
-      for slot in inputs[1:]:
-        if slot is not None and slot not in annotated:
-          found[slot] = plan[inputs[0]]
-  return found
 
 
 def _batch_specs(analysis, mesh, batch_axis):

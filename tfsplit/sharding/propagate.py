@@ -65,12 +65,17 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(
     linear consumer that carried it on: a LayerNorm's beta gradient next to
     its input gradient), so each partial sum is reduced exactly once;
   - a variable the plan left open (a bias, an optimizer slot; not in
-    `explicit`) takes the sharding its users ask of it.
-  Rounds repeat until neither changes.
+    `explicit`) takes the sharding its users ask of it;
+  and the open slots of a fused optimizer op follow their variable.
+  Rounds repeat until nothing changes.
   """
   specs, explicit = dict(variable_specs), dict(explicit or {})
+  following = [(v, slot) for v, slot in _fused_slots(graph, variables)
+               if slot not in explicit]
   reduce_at_source = set()
   for _ in range(_MAX_ROUNDS):
+    for var, slot in following:
+      specs[slot] = specs[var]
     prop = _propagate_once(graph, shapes, mesh, specs, input_specs or {}, reduce_at_source)
     needed = _partials_needed_whole(graph, prop) - reduce_at_source
     inferred = infer_variable_specs(graph, prop, variables, explicit)
@@ -201,8 +206,7 @@ def infer_variable_specs(graph, prop, variables, explicit):
 
   A bias added to a column-split activation is required split by its
   BiasAdd; an Adam moment is updated with a split gradient. Adopting that
-  sharding keeps the variable local instead of gathering its updates. The
-  slots a fused optimizer op (ResourceApplyAdam) updates follow its variable.
+  sharding keeps the variable local instead of gathering its updates.
   """
   candidates = {v.node: set() for v in variables if v.node not in explicit and v.shape}
   for node in graph.nodes:
@@ -227,13 +231,22 @@ def infer_variable_specs(graph, prop, variables, explicit):
     split = {d for d in dims_set if any(a is not None for a in d)}
     if len(split) == 1:
       found[handle] = split.pop()
-  # A fused optimizer op updates its slots with its variable's sharding.
+  return found
+
+
+def _fused_slots(graph, variables):
+  """[(variable handle, slot handle)] of the fused optimizer ops
+  (ResourceApplyAdam, ...), which update slots with their variable's sharding."""
+  handles = {v.node for v in variables}
+
+  def handle(text):
+    name = parse_input(text)[0]
+    while name not in handles and graph.node(name).op in _HANDLE_PASSTHROUGH:
+      name = parse_input(graph.node(name).input[0])[0]
+    return name if name in handles else None
+  pairs = []
   for node in graph.nodes:
     if node.op.startswith("ResourceApply"):
-      handles = [prop.handle_source.get(parse_input(t)[0]) for t in node.input
-                 if not t.startswith("^")]
-      if handles and handles[0] in found:
-        for slot in handles[1:]:
-          if slot in candidates:
-            found[slot] = found[handles[0]]
-  return found
+      inputs = [handle(t) for t in node.input if not t.startswith("^")]
+      pairs += [(inputs[0], slot) for slot in inputs[1:] if inputs[0] and slot]
+  return pairs
