@@ -85,9 +85,11 @@ def test_input_without_batch_dimension():
 
 
 def test_microbatches_run_in_order():
-  """Every input slice of micro-batch j+1 (tokens and labels) waits for exactly
+  """Micro-batch j+1's first ops that depend on a weight wait for exactly
   micro-batch j's contribution to every running gradient sum (the loss's sum
-  comes after the updates and orders nothing)."""
+  comes after the updates and orders nothing); every op of micro-batch j+1
+  that depends on a weight comes after them; what depends on no weight (the
+  input slices) waits for nothing."""
   ex = example("gpt_raw", batch_size=BATCH)
   graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
   result = split_graph(graph_def, make_mesh("dp=1"), microbatches=4)
@@ -105,14 +107,40 @@ def test_microbatches_run_in_order():
         accumulators.setdefault(0, set()).add(node.input[0].split(":")[0])
   assert all(len(accumulators[j]) == sums - len(outputs) for j in range(4)), \
       {j: len(a) for j, a in accumulators.items()}
-  inputs = [n.name for n in graph_def.node if n.op == "Placeholder" and
-            n.attr["dtype"].type != 20]  # DT_RESOURCE
-  assert sorted(inputs) == ["labels", "tokens"]
-  for name in inputs:
-    assert not [t for t in nodes[f"{name}/shard_0"].input if t.startswith("^")]
-    for j in (1, 2, 3):
-      waits = {t[1:] for t in nodes[f"{name}/shard_{j}"].input if t.startswith("^")}
+  all_acc = set().union(*accumulators.values())
+  waiting = {}  # micro-batch -> local nodes ordered after the previous one
+  for name, node in nodes.items():
+    waits = {t[1:] for t in node.input if t.startswith("^")} & all_acc
+    if waits:
+      j = result.records[name].device_id
       assert waits == accumulators[j - 1], f"{name} of micro-batch {j}"
+      waiting.setdefault(j, set()).add(name)
+  assert sorted(waiting) == [1, 2, 3]
+  for name in ("tokens", "labels"):
+    for j in range(4):
+      assert not [t for t in nodes[f"{name}/shard_{j}"].input if t.startswith("^")]
+  # Every per-micro-batch op that reads a weight (through its data inputs)
+  # descends from its micro-batch's waiting ops.
+  for j in (1, 2, 3):
+    after = _descendants(result.graph_def, waiting[j])
+    for name, record in result.records.items():
+      if record.device_id == j and not record.shared and \
+          nodes[name].op in ("MatMul", "BatchMatMulV2"):
+        assert name in after, f"{name} runs outside micro-batch {j}'s order"
+
+
+def _descendants(graph_def, starts):
+  consumers = collections.defaultdict(set)
+  for n in graph_def.node:
+    for t in n.input:
+      consumers[t.lstrip("^").split(":")[0]].add(n.name)
+  seen, todo = set(starts), list(starts)
+  while todo:
+    for c in consumers[todo.pop()]:
+      if c not in seen:
+        seen.add(c)
+        todo.append(c)
+  return seen
 
 
 class _LaggingReplica(object):

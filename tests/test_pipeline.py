@@ -64,6 +64,11 @@ def test_schedule_orders_match_dapple():
 def test_balanced_partition():
   assert balanced_partition([1, 1, 1, 1], 2) == [(0, 2), (2, 4)]
   assert balanced_partition([5, 1, 1, 1, 1, 1], 2) == [(0, 1), (1, 6)]
+  # A cut where much crosses costs both stages it separates: the middle cut
+  # (10) loses to an uneven split whose cut is free.
+  assert balanced_partition([1, 1, 1, 1], 2, boundary=[0, 10, 0]) in (
+      [(0, 1), (1, 4)], [(0, 3), (3, 4)])
+  assert balanced_partition([1, 1, 1, 1], 2, boundary=[0, 0.1, 0]) == [(0, 2), (2, 4)]
 
 
 def test_bad_pipeline_requests():
@@ -97,7 +102,7 @@ def test_step_trace_follows_the_schedule(schedule):
   runner = session_lib.SessionRunner(
       result.graph_def, session_lib.seeded_values(result.graph_def, result.manifest))
   _, metadata = runner.run(ex.make_inputs("train", seed=1), trace=True)
-  roles = detect_layers(Graph(graph_def)).role
+  roles = detect_layers(Graph(graph_def)).block_roles()
   mesh = Mesh({"pp": stages}).with_microbatches(m)
   blocks = session_lib.microbatch_blocks(session_lib.op_events(metadata), roles, mesh,
                                          result.graph_def)

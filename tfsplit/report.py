@@ -68,7 +68,8 @@ def inspect_graph(source, signature=None, layer_depth=None, variables_from=None)
     var_rows.append({
         "name": v.name, "node": v.node, "shape": list(v.shape) if v.shape is not None else None,
         "dtype": v.dtype_name, "bytes": v.num_bytes,
-        "trainable": v.trainable, "layer": report.layer_of.get(v.node)})
+        "trainable": v.trainable, "layer": report.layer_of.get(v.node),
+        "readers": report.variable_readers.get(v.node, [])})
   layers = [l.as_dict() for l in report.layers]
   totals = {
       "nodes": len(graph),
@@ -81,6 +82,7 @@ def inspect_graph(source, signature=None, layer_depth=None, variables_from=None)
       "backward_flops": sum(l.backward_flops for l in report.layers),
       "activation_bytes": sum(l.activation_bytes for l in report.layers),
       "model_layers": len(report.model_layers),
+      "blocks": sum(l.block for l in report.layers),
       "layer_depth": report.depth,
       "seconds": round(time.perf_counter() - t0, 3),
   }
@@ -105,8 +107,8 @@ def inspect_table(report, top_ops=25):
   t = report["totals"]
   out.append(f"graph: {report['source']}")
   out.append(f"{t['nodes']} nodes, {t['variables']} variables, "
-             f"{t['model_layers']} layers with parameters (scope depth "
-             f"{t['layer_depth']})")
+             f"{t['model_layers']} layers with parameters, {t['blocks']} of them "
+             f"repeated blocks (scope depth {t['layer_depth']})")
   out.append("")
   ops = list(report["ops"].items())
   rest = sum(c for _, c in ops[top_ops:])
@@ -123,17 +125,19 @@ def inspect_table(report, top_ops=25):
                  human_bytes(l["param_bytes"]), human_bytes(l["slot_bytes"]),
                  human_count(l["forward_flops"]), human_count(l["backward_flops"]),
                  human_bytes(l["activation_bytes"]),
-                 f"{l['forward_ops']}/{l['backward_ops']}/{l['update_ops']}"])
+                 f"{l['forward_ops']}/{l['backward_ops']}/{l['update_ops']}",
+                 "block" if l["block"] else ""])
   rows.append(["", "total", human_count(t["param_count"]), human_bytes(t["param_bytes"]),
                human_bytes(t["optimizer_state_bytes"]), human_count(t["forward_flops"]),
-               human_count(t["backward_flops"]), human_bytes(t["activation_bytes"]), ""])
+               human_count(t["backward_flops"]), human_bytes(t["activation_bytes"]), "", ""])
   out.append(format_table(
       ["#", "layer", "params", "param bytes", "opt state", "fwd FLOPs",
-       "bwd FLOPs", "activations", "ops f/b/u"], rows))
+       "bwd FLOPs", "activations", "ops f/b/u", "kind"], rows))
   out.append("")
   out.append("variables")
   rows = [[v["name"], str(v["shape"]), v["dtype"], human_bytes(v["bytes"]),
-           {True: "yes", False: "no", None: "?"}[v["trainable"]], v["layer"] or ""]
+           {True: "yes", False: "no", None: "?"}[v["trainable"]],
+           " + read by ".join([v["layer"] or ""] + v["readers"][1:])]
           for v in report["variables"]]
   out.append(format_table(["variable", "shape", "dtype", "bytes", "trainable", "layer"], rows))
   out.append("")

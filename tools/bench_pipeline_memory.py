@@ -293,7 +293,7 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
     orders = None
     if FLAGS.trace:
       _, metadata = runner.run(inputs, trace=True)
-      roles = detect_layers(Graph(graph_def)).role
+      roles = detect_layers(Graph(graph_def)).block_roles()
       blocks = session_lib.microbatch_blocks(
           session_lib.op_events(metadata), roles, mesh.with_microbatches(microbatches),
           result.graph_def)
@@ -310,7 +310,7 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
         runner.run(inputs)
       finally:
         workers.command("endprofile")
-      roles = detect_layers(Graph(graph_def)).role
+      roles = detect_layers(Graph(graph_def)).block_roles()
       explained = [_explain_stage(d, s, roles, mesh.with_microbatches(microbatches))
                    for s, d in enumerate(dirs)]
     print(f"[{label}] {len(result.graph_def.node)} nodes, loss {first:.6f}, "

@@ -8,11 +8,18 @@ Roles come from the graph's structure, layers from name scopes:
   (e.g. the AddN that sums a weight's gradients);
 - *update*: everything else: the optimizer's ops and variable writes.
 
-Layer scopes are found at the depth just below the common scope of all the
-ops that read trainable variables in the forward pass (`gpt/block_3`,
-`functional_1/dense_1`, `model/mha`). Gradient ops belong to the layer of
-the forward scope they differentiate; a variable belongs to the layer that
-reads it in the forward pass; an optimizer slot (Adam's moments) to the layer
+Layers are found by structure: the model's repeated blocks are sibling
+scopes, at any depth, with the same forward ops and parameter shapes (of all
+such groups, the one holding the most parameters: `gpt/block_3`, or
+`causal_lm/backbone/block_3` in a task model wrapping a backbone). Each block
+is a layer; elsewhere a layer is the scope that branches off the blocks'
+parent (the embedding, the final norm, a task model's head). Without repeated
+blocks, layers are the scopes just below the common scope of all the ops that
+read trainable variables in the forward pass (`functional_1/dense_1`).
+Gradient ops belong to the layer of the forward scope they differentiate; a
+variable belongs to the first layer that reads it in the forward pass (a tied
+embedding read again by the head keeps one owner; the head is recorded as a
+reader); an optimizer slot (Adam's moments) to the layer
 of the gradient its update consumes; update ops to the layer of the variable
 they write (or of all their consumers, when those agree).
 
@@ -46,6 +53,10 @@ class Layer:
   backward: List[str] = dataclasses.field(default_factory=list)
   update: List[str] = dataclasses.field(default_factory=list)
   variables: List[str] = dataclasses.field(default_factory=list)  # trainable
+  # Trainable variables owned by another layer that this one reads too (a
+  # tied LM head reading the token embedding).
+  shared_variables: List[str] = dataclasses.field(default_factory=list)
+  block: bool = False   # one of the model's repeated blocks
   slots: List[str] = dataclasses.field(default_factory=list)      # optimizer state
   param_count: int = 0
   param_bytes: int = 0
@@ -58,6 +69,7 @@ class Layer:
     d = dataclasses.asdict(self)
     for key in ROLES:
       d[key + "_ops"] = len(d.pop(key))
+    d["shared_variables"] = len(d["shared_variables"])
     return d
 
 
@@ -68,6 +80,17 @@ class LayerReport:
   layer_of: Dict[str, str]      # node -> layer name
   variable_layer: Dict[str, str]  # variable handle node -> layer name
   depth: int
+  # variable handle -> every layer that reads it in the forward pass, in order
+  variable_readers: Dict[str, List[str]] = dataclasses.field(default_factory=dict)
+  # Nodes whose values depend on no variable: the inputs and what is built
+  # from them alone (masks, position ids, a loss's token count), constants.
+  variable_free: frozenset = frozenset()
+
+  def block_roles(self):
+    """{node: role} of the nodes in micro-batch blocks (what schedules order
+    and traces check): everything but what depends on no variable, which
+    every micro-batch may need and which runs whenever its inputs allow."""
+    return {n: r for n, r in self.role.items() if n not in self.variable_free}
 
   def layer(self, name):
     return next(l for l in self.layers if l.name == name)
@@ -89,6 +112,51 @@ def _scope(name):
 
 def _is_write(node):
   return constants.is_write_op(node.op)
+
+
+def _layer_scope(graph, name):
+  """The name scope `name` belongs to, as a list; a scope that is itself a
+  node's name (`dense/MatMul/ReadVariableOp`, made by the op's own name scope)
+  is that node's scope."""
+  scope = _scope(name)
+  while scope and "/".join(scope) in graph:
+    scope = scope[:-1]
+  return scope
+
+
+def _repeated_blocks_scope(forward_ops, param_reads, var_nodes):
+  """(The scope whose children include the model's repeated blocks, the
+  blocks' scope names), or (None, ()).
+
+  A block is a child scope holding parameters; blocks repeat when siblings
+  have the same signature (forward op types and parameter shapes). Of all
+  such groups, at any depth, the one covering the most parameters wins: the
+  transformer blocks of a backbone nested in a task model, not the two
+  LayerNorms inside one block.
+  """
+  ops = collections.defaultdict(collections.Counter)   # scope tuple -> op counts
+  params = collections.defaultdict(list)               # scope tuple -> [(shape, size)]
+  for scope, op in forward_ops:
+    for i in range(1, len(scope) + 1):
+      ops[tuple(scope[:i])][op] += 1
+  for scope, handle in param_reads:
+    var = var_nodes[handle]
+    for i in range(1, len(scope) + 1):
+      params[tuple(scope[:i])].append((handle, tuple(var.shape or ()),
+                                       var.num_elements or 0))
+  groups = collections.defaultdict(list)  # (parent, signature) -> [child]
+  for child, reads in params.items():
+    unique = sorted(set(reads))
+    signature = (tuple(sorted(ops[child].items())), tuple(sorted(r[1] for r in unique)))
+    groups[(child[:-1], signature)].append((child, sum(r[2] for r in unique)))
+  best, best_score = (None, ()), None
+  for (parent, _), members in groups.items():
+    if len(members) < 2:
+      continue
+    score = (sum(size for _, size in members), len(members), len(parent))
+    if best_score is None or score > best_score:
+      best, best_score = (list(parent), tuple("/".join(c) for c, _ in members)), score
+  return best
 
 
 def _common_prefix(paths):
@@ -129,6 +197,16 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     if is_grad:
       role[name] = BACKWARD
   forward_set = graph.data_ancestors(graph_outputs(graph))
+  # Constants and arithmetic on constants only: they carry no role of their
+  # own, so a gradient op taking one (the index bound of an UnsortedSegmentSum
+  # densifying an embedding gradient) stays a gradient op.
+  constant = set()
+  for name in order:
+    node = graph.node(name)
+    data_in = [src for src, _ in Graph.inputs(node)]
+    if name not in role and (node.op == "Const" or data_in and all(
+        s in constant for s in data_in)) and not node.input[len(data_in):]:
+      constant.add(name)
   for name in order:
     if name in role:
       continue
@@ -138,30 +216,47 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       role[name] = FORWARD
     elif data_in and not _is_write(node) and node.op != "IdentityN" and any(
         role.get(s) == BACKWARD for s in data_in) and all(
-            role.get(s) in (BACKWARD, FORWARD) for s in data_in):
+            role.get(s) in (BACKWARD, FORWARD) or s in constant for s in data_in):
       role[name] = BACKWARD  # e.g. the AddN summing one weight's gradients
     else:
       role[name] = UPDATE
   for name in var_nodes:  # handles are bookkeeping, not compute
     role[name] = FORWARD if name in forward_set else UPDATE
 
-  # 2. Layer depth from forward reads of trainable variables.
+  # 2. Layer scopes from forward reads of trainable variables.
   def is_trainable_handle(src):
     v = var_nodes.get(src)
     return v is not None and v.trainable is not False
-  reader_scopes = []
+  scope_of = {name: _layer_scope(graph, stripped[name]) for name in order}
+  param_reads = []  # (reader's scope, variable handle)
   for name in order:
     node = graph.node(name)
     if role[name] == FORWARD and node.op in constants.VARIABLE_READ_OPS and node.input and \
         is_trainable_handle(parse_input(node.input[0])[0]):
-      reader_scopes.append(_scope(stripped[name]))
+      param_reads.append((scope_of[name], parse_input(node.input[0])[0]))
+  blocks_scope, blocks = None, ()
   if depth is None:
-    depth = len(_common_prefix(reader_scopes)) + 1 if reader_scopes else 1
-    if reader_scopes and all(len(s) < depth for s in reader_scopes):
-      depth = max(1, depth - 1)
+    blocks_scope, blocks = _repeated_blocks_scope(
+        [(scope_of[n], graph.node(n).op) for n in order if role[n] == FORWARD],
+        param_reads, var_nodes)
+    if blocks_scope is not None:
+      depth = len(blocks_scope) + 1
+    else:
+      reader_scopes = [s for s, _ in param_reads]
+      depth = len(_common_prefix(reader_scopes)) + 1 if reader_scopes else 1
+      if reader_scopes and all(len(s) < depth for s in reader_scopes):
+        depth = max(1, depth - 1)
 
   def layer_key(name):
-    scope = _scope(stripped[name])
+    scope = scope_of[name]
+    if blocks_scope is not None:
+      # Under the blocks' parent: its child; elsewhere: the child of the
+      # deepest scope shared with that parent (a task model's head, a
+      # backbone's embedding); ops directly in an enclosing scope: that scope.
+      shared = len(_common_prefix([scope, blocks_scope]))
+      if len(scope) > shared:
+        return "/".join(scope[:shared + 1])
+      return "/".join(scope) if scope else TOP_LAYER
     if len(scope) >= depth:
       return "/".join(scope[:depth])
     return "/".join(scope) if scope else TOP_LAYER
@@ -180,14 +275,18 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       layers[key] = Layer(key, len(layers))
     return layers[key]
 
-  # Variables: the layer of their first forward read.
+  # Variables: the layer of their first forward read (a tied weight has more
+  # readers; they receive its value).
   variable_layer = {}
+  readers = collections.defaultdict(list)
   for name in order:
     node = graph.node(name)
     if role[name] == FORWARD and node.op in constants.VARIABLE_READ_OPS and node.input:
       src = parse_input(node.input[0])[0]
-      if src in var_nodes and src not in variable_layer:
-        variable_layer[src] = layer_of[name]
+      if src in var_nodes:
+        variable_layer.setdefault(src, layer_of[name])
+        if layer_of[name] not in readers[src]:
+          readers[src].append(layer_of[name])
 
   # 4. Backward ops: the layer of the forward scope they differentiate.
   for name in order:
@@ -202,8 +301,9 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     get_layer(key)
     layer_of[name] = key
 
-  # 5. Variables with no forward read (optimizer slots): layer of the
-  # gradient that reaches their update.
+  # 5. Variables with no forward read (optimizer slots): the layer of the one
+  # weight whose update reads them, else of the gradient that reaches their
+  # update.
   def nearest_backward_layer(start):
     # Walks tensors, not nodes: an IdentityN (Keras passes all gradients
     # through one) forwards output k from input k only.
@@ -228,7 +328,38 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
         queue.extend(parse_input(t) for t in node.input if not t.startswith("^"))
     return None
 
+  def slots_read_by(write):
+    # Variables an update reads (Adam's moments in the weight's step) or takes
+    # as inputs (a fused ResourceApplyAdam), up through update ops only.
+    found, seen = set(), set()
+    queue = collections.deque([write])
+    while queue and len(seen) < _MAX_GRADIENT_SEARCH:
+      name = queue.popleft()
+      if name in seen:
+        continue
+      seen.add(name)
+      for src, _ in Graph.inputs(graph.node(name)):
+        if src in var_nodes:
+          found.add(src)
+        elif role.get(src) == UPDATE:
+          queue.append(src)
+    return found
+
   writes = [n for n in order if role[n] == UPDATE and _is_write(graph.node(n))]
+  # A slot belongs to the one weight whose update reads it (so a tied
+  # embedding's moments follow the embedding, not the head whose gradient op
+  # sums the two contributions); state read by many updates (the step
+  # counter) is the optimizer's.
+  slot_owners = collections.defaultdict(set)
+  for name in writes:
+    handle = parse_input(graph.node(name).input[0])[0] if graph.node(name).input else None
+    if handle in variable_layer and is_trainable_handle(handle):
+      for slot in slots_read_by(name) - {handle}:
+        if slot not in variable_layer:
+          slot_owners[slot].add(handle)
+  for slot, owners in slot_owners.items():
+    if len(owners) == 1:
+      variable_layer[slot] = variable_layer[next(iter(owners))]
   for name in writes:
     node = graph.node(name)
     handle = parse_input(node.input[0])[0] if node.input else None
@@ -272,6 +403,8 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     is_param = handle in variable_layer and var.trainable is not False and \
         role[handle] == FORWARD
     if is_param:
+      for other in readers[handle][1:]:
+        layers[other].shared_variables.append(handle)
       layer.variables.append(handle)
       layer.param_count += var.num_elements or 0
       layer.param_bytes += var.num_bytes or 0
@@ -296,4 +429,11 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       l.name in (TOP_LAYER, OPTIMIZER_LAYER) and not l.forward, l.index))
   for i, layer in enumerate(ordered):
     layer.index = i
-  return LayerReport(ordered, role, layer_of, variable_layer, depth)
+    layer.block = layer.name in blocks
+  depends = set()
+  for name in order:
+    if name in var_nodes or any(src in depends for src, _ in Graph.inputs(graph.node(name))):
+      depends.add(name)
+  variable_free = frozenset(order) - depends
+  return LayerReport(ordered, role, layer_of, variable_layer, depth, dict(readers),
+                     variable_free)

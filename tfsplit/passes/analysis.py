@@ -42,3 +42,8 @@ class Analysis(object):
   @property
   def roles(self):
     return self.layers.role
+
+  @property
+  def variable_free(self):
+    """Nodes whose values depend on no variable (see LayerReport)."""
+    return self.layers.variable_free

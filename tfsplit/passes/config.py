@@ -12,6 +12,7 @@ from tfsplit.errors import PlanError
 
 STRATEGIES = ("megatron", "none")
 SCHEDULES = ("1f1b", "gpipe")
+BALANCES = ("cost", "flops")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +26,8 @@ class SplitConfig:
   timeout_seconds: collectives give up after this long (a dead peer is an
     error, not a hang).
   axis: the strategy's mesh axis (default: 'tp', else the last model axis).
+  balance: how stages are balanced without layer_ranges: 'cost' (op times
+    from the cost model plus the activations crossing each cut) or 'flops'.
   """
   mesh: object
   strategy: Optional[str] = "megatron"
@@ -34,6 +37,7 @@ class SplitConfig:
   layer_ranges: Optional[List[Tuple[int, int]]] = None
   timeout_seconds: Optional[float] = None
   axis: Optional[str] = None
+  balance: str = "cost"
 
   def __post_init__(self):
     if int(self.microbatches) < 1:
@@ -43,6 +47,9 @@ class SplitConfig:
     if self.schedule not in SCHEDULES:
       raise PlanError(f"unknown pipeline schedule '{self.schedule}'; choose one of: "
                       f"{', '.join(sorted(SCHEDULES))}")
+    if self.balance not in BALANCES:
+      raise PlanError(f"unknown stage balance '{self.balance}'; choose one of: "
+                      f"{', '.join(BALANCES)}")
 
   @property
   def stages(self):

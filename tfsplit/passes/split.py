@@ -14,9 +14,11 @@ another module's private fields:
 4. assign_stages        pipeline only: every node's stage
 5. materialize          one copy of each op per device, collectives between
                          shardings (sharding/reshard.py), per-node records
-6. order_microbatches   micro-batch j+1 waits for micro-batch j (no pipeline)
+6. check_microbatch_independence
+                        no micro-batch needs another's activations
+7. order_microbatches   micro-batch j+1 waits for micro-batch j (no pipeline)
    or apply_schedule    the pipeline schedule's control edges (gpipe / 1f1b)
-7. check_acyclic        the result can run
+8. check_acyclic        the result can run
 """
 import dataclasses
 import fnmatch
@@ -25,6 +27,9 @@ from typing import Dict, Optional
 from absl import logging
 
 from tfsplit import constants
+from tfsplit.cost import cluster as cluster_lib
+from tfsplit.cost import layer_cost
+from tfsplit.cost import op_cost
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import expand_identity_n, fold_static_shapes
@@ -99,8 +104,12 @@ def assign_stages(state):
   if stages <= 1 and constants.PIPELINE_AXIS not in state.mesh.axes:
     return
   analysis = state.analysis
+  layer_costs = boundary_costs = None
+  if state.config.layer_ranges is None and state.config.balance == "cost":
+    layer_costs, boundary_costs = _stage_costs(analysis, state.mesh)
   state.partition = partition_lib.partition_layers(analysis.layers, stages,
-                                                   state.config.layer_ranges)
+                                                   state.config.layer_ranges,
+                                                   layer_costs, boundary_costs)
   state.stage_of = partition_lib.assign_stages(analysis.graph, analysis.layers,
                                                state.partition)
 
@@ -112,16 +121,48 @@ def materialize_devices(state):
                                    state.config.timeout_seconds, state.stage_of)
 
 
+def check_microbatch_independence(state):
+  """Refuses a micro-batch whose work needs another micro-batch's activations
+  (a batch statistic in training, a loss normalised by a sum over computed
+  values): micro-batching would then save no memory, or could not be ordered.
+  What depends on no variable (masks, position ids, token counts) may be
+  gathered over micro-batches: it is built from the inputs alone."""
+  mb = constants.MICROBATCH_AXIS
+  if state.mesh.axes.get(mb, 1) <= 1:
+    return
+  analysis, out = state.analysis, state.materialized
+  per_microbatch = {r.source for r in out.records.values()
+                    if not r.shared and r.device_id is not None}
+  for record in out.collectives:
+    if record.kind not in ("local_concat", "local_sum") or record.axis != mb:
+      continue
+    source = record.tensor.split(":")[0]
+    consumer = record.consumer
+    if consumer == source:
+      continue  # the step's output, made whole after every micro-batch
+    if source in analysis.variable_free or consumer not in per_microbatch or \
+        analysis.roles.get(consumer) not in (constants.FORWARD, constants.BACKWARD):
+      continue
+    op = analysis.graph.node(consumer).op
+    whole = "sum" if record.kind == "local_sum" else "whole batch"
+    raise PlanError(
+        f"node '{consumer}' (op {op}) needs the {whole} of '{record.tensor}' over all "
+        f"{state.mesh.axes[mb]} micro-batches, which depends on the model's weights: "
+        "each micro-batch would wait for every other one's activations (a batch "
+        "statistic such as BatchNormalization in training, or a loss normalised by a "
+        "sum of computed values); use microbatches=1 for this model, or make the "
+        "statistic per micro-batch")
+
+
 def order_work(state):
   """Micro-batch order without a pipeline; the schedule's order with one."""
-  out = state.materialized
-  if state.stage_of is None:
-    microbatch_lib.order_microbatches(out.graph_def, out.input_slices, out.local_sums,
-                                      state.mesh)
-    return
+  out, analysis = state.materialized, state.analysis
   sets = schedules_lib.micro_batch_sets(
-      out.graph_def, out.records, state.analysis.roles, state.mesh,
-      schedules_lib.waiting_for_updates(state.analysis.graph, state.analysis.roles))
+      out.graph_def, out.records, analysis.layers.block_roles(), state.mesh,
+      schedules_lib.waiting_for_updates(analysis.graph, analysis.roles))
+  if state.stage_of is None:
+    microbatch_lib.order_microbatches(out.graph_def, sets, out.local_sums, state.mesh)
+    return
   state.schedule_edges = schedules_lib.apply_schedule(
       out.graph_def, schedules_lib.get_schedule(state.config.schedule), sets, state.mesh,
       state.config.stages, state.config.microbatches)
@@ -136,7 +177,7 @@ def check_acyclic(state):
 
 
 PASSES = (fold_shapes, plan_variables, propagate_layouts, assign_stages,
-          materialize_devices, order_work, check_acyclic)
+          materialize_devices, check_microbatch_independence, order_work, check_acyclic)
 
 
 @without_gc
@@ -161,14 +202,29 @@ def run_passes(graph_def, config):
 
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
-                layer_ranges=None):
+                layer_ranges=None, balance="cost"):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
-                       layer_ranges, timeout_seconds, axis)
+                       layer_ranges, timeout_seconds, axis, balance)
   return run_passes(graph_def, config)
 
 
 # --- helpers -----------------------------------------------------------------------
+def _stage_costs(analysis, mesh):
+  """(seconds per model layer, seconds per cut) on the mesh's kind of device:
+  roofline op times, and activations plus their gradients over one link."""
+  gpu = any("GPU" in d.upper() for d in mesh.devices)
+  cluster = cluster_lib.from_preset("h100-80gb" if gpu else "cpu-host", num_devices=2,
+                                    devices_per_host=2)
+  model = op_cost.CostModel(cluster)
+  seconds = layer_cost.layer_seconds(analysis.graph, analysis.shapes, analysis.layers, model)
+  link = cluster.link(0, 1)
+  cuts = [2 * link.transfer_time(b) if b else 0.0
+          for b in layer_cost.boundary_bytes(analysis.graph, analysis.shapes,
+                                             analysis.layers)]
+  return seconds, cuts
+
+
 def _annotation_plan(variables, annotations, mesh):
   """{handle node: dims} from {variable-name glob: dims}."""
   plan = {}

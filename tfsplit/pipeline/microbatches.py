@@ -1,44 +1,44 @@
 """Micro-batch order without a pipeline: micro-batch j+1 starts after j.
 
-Micro-batch j+1's input slices wait (same-device control edges) for
-micro-batch j's contribution to every running gradient sum, so one
-micro-batch's activations are freed before the next one's are made. A
-gradient contribution that itself needs every micro-batch (a batch statistic)
-would make that a cycle: then micro-batches stay unordered, with a warning.
+Micro-batch j+1's first ops that depend on a variable wait (same-device
+control edges) for micro-batch j's contribution to every running gradient
+sum, so one micro-batch's activations are freed before the next one's are
+made. What depends on no variable (input slices, masks, position ids, a
+loss's batch-wide token count) is left free to run first: it is small, and a
+micro-batch's backward may need it from every micro-batch. A coupling through
+activations is refused before ordering (see passes/split.py), so the order
+cannot make a cycle.
 """
-from absl import logging
-
 from tfsplit import constants
-from tfsplit.errors import GraphValidationError
+from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph.ir import Graph, parse_input
 
 
-def order_microbatches(graph_def, input_slices, local_sums, mesh):
+def order_microbatches(graph_def, sets, local_sums, mesh):
   """Adds the ordering edges to `graph_def` in place; returns how many.
 
-  input_slices: [(device id, slice node)] of the graph's inputs;
+  sets: schedules.micro_batch_sets of the graph ({(device id, j): {'F_in': ...}});
   local_sums: per running sum, {device id: that micro-batch's member}.
   """
   axis = constants.MICROBATCH_AXIS
   if mesh.axes.get(axis, 1) <= 1 or not local_sums:
     return 0
   nodes = {n.name: n for n in graph_def.node}
-  added = []
-  for d, slice_name in input_slices:
-    j = mesh.coord(d, axis)
+  added = 0
+  for (d, j), blocks in sorted(sets.items()):
     if j == 0:
       continue
     prev = mesh.device_id({**mesh.coords(d), axis: j - 1})
     deps = sorted({parse_input(m[prev])[0] for m in local_sums if prev in m})
-    node = nodes[slice_name]
-    added.append((node, len(node.input)))
-    node.input.extend("^" + t for t in deps)
+    for name in sorted(blocks["F_in"]):
+      node = nodes[name]
+      new = ["^" + t for t in deps if "^" + t not in node.input]
+      node.input.extend(new)
+      added += len(new)
   try:
     Graph(graph_def).topological_order()
   except GraphValidationError as e:
-    logging.warning("micro-batches left unordered (ordering would make a cycle: %s)",
-                    str(e)[:200])
-    for node, n in added:
-      del node.input[n:]
-    return 0
-  return sum(len(node.input) - n for node, n in added)
+    raise PlanError(f"ordering the micro-batches would make a cycle ({str(e)[:200]}); "
+                    "a micro-batch's work needs another micro-batch's activations: "
+                    "use microbatches=1 for this graph") from None
+  return added

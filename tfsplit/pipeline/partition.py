@@ -2,23 +2,33 @@
 
 Layers come from layer detection (tfsplit.graph.layers): each layer's forward
 ops, its gradient ops and the updates of its variables go to its stage. The
-default partition balances forward + backward FLOPs per stage (a linear
-partition solved exactly by dynamic programming); explicit layer ranges
-override it. Nodes outside the layers follow their data: an op reading a
-variable sits with the variable, other ops with their latest input's stage
-(so the loss joins the last stage), sources with their earliest consumer.
+default partition balances each stage's time: its layers' forward + backward
+time from the cost model plus the activations crossing its two cuts (a linear
+partition solved exactly by dynamic programming); FLOPs when no times are
+given; explicit layer ranges override it. Nodes outside the layers follow their data: an op reading a
+variable sits with the variable, a gradient op feeding only one stage's updates on that stage (a tied
+weight's contributions are summed on its owner), other ops with their latest
+input's stage (so the loss joins the last stage; for gradient ops, the
+earliest: backward runs from the last stage to the first), sources with their earliest
+consumer.
 """
+from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import parse_input
 
 
-def balanced_partition(costs, stages):
-  """[(start, end)] contiguous ranges over `costs` minimising the largest sum."""
+def balanced_partition(costs, stages, boundary=None):
+  """[(start, end)] contiguous ranges over `costs` minimising the largest stage cost.
+
+  boundary[k]: what a cut between item k and k + 1 adds to both stages it
+  separates (sending activations one way and their gradients the other).
+  """
   n = len(costs)
   prefix = [0]
   for c in costs:
     prefix.append(prefix[-1] + c)
+  cut_cost = [0.0] + list(boundary or [0.0] * max(0, n - 1)) + [0.0]  # by cut index
   inf = float("inf")
   # best[k][i]: smallest max-stage cost splitting the first i layers into k stages.
   best = [[inf] * (n + 1) for _ in range(stages + 1)]
@@ -27,7 +37,8 @@ def balanced_partition(costs, stages):
   for k in range(1, stages + 1):
     for i in range(k, n + 1):
       for j in range(k - 1, i):
-        cost = max(best[k - 1][j], prefix[i] - prefix[j])
+        stage = prefix[i] - prefix[j] + cut_cost[j] + (cut_cost[i] if i < n else 0)
+        cost = max(best[k - 1][j], stage)
         if cost < best[k][i]:
           best[k][i], cut[k][i] = cost, j
   ranges, i = [], n
@@ -38,8 +49,13 @@ def balanced_partition(costs, stages):
   return list(reversed(ranges))
 
 
-def partition_layers(report, stages, layer_ranges=None):
-  """[[layer name, ...] per stage] over the report's layers with parameters."""
+def partition_layers(report, stages, layer_ranges=None, layer_costs=None,
+                     boundary_costs=None):
+  """[[layer name, ...] per stage] over the report's layers with parameters.
+
+  layer_costs / boundary_costs: per model layer and per cut between two of
+  them (seconds, from the cost model); default: forward + backward FLOPs.
+  """
   layers = report.model_layers
   if stages < 1:
     raise PlanError(f"stages must be >= 1, got {stages}")
@@ -48,8 +64,10 @@ def partition_layers(report, stages, layer_ranges=None):
                     f"parameters ({', '.join(l.name for l in layers)}); use at most "
                     f"{len(layers)} stages")
   if layer_ranges is None:
-    costs = [max(1, l.forward_flops + l.backward_flops) for l in layers]
-    layer_ranges = balanced_partition(costs, stages)
+    if layer_costs is None:
+      layer_costs = [max(1, l.forward_flops + l.backward_flops) for l in layers]
+      boundary_costs = None
+    layer_ranges = balanced_partition(layer_costs, stages, boundary_costs)
   else:
     layer_ranges = [tuple(r) for r in layer_ranges]
     if len(layer_ranges) != stages:
@@ -77,6 +95,24 @@ def assign_stages(graph, report, partition, order=None):
     layer = report.variable_layer.get(handle)
     stage[handle] = layer_stage.get(layer, 0)
   order = order or graph.topological_order()
+  # A gradient op outside the layers whose result only feeds one stage's
+  # updates (the AddN summing a tied embedding's two contributions) runs on
+  # that stage: the contributions are summed on the weight's owner.
+  for name in reversed(order):
+    if name in stage or report.role.get(name) != constants.BACKWARD or \
+        report.layer_of.get(name) in layer_stage:
+      continue
+    owners = set()
+    for consumer in graph.consumer_nodes(name):
+      c = consumer.name
+      if c in stage:
+        owners.add(stage[c])
+      elif report.role.get(c) == constants.UPDATE and report.layer_of.get(c) in layer_stage:
+        owners.add(layer_stage[report.layer_of[c]])
+      else:
+        owners.add(None)
+    if len(owners) == 1 and None not in owners:
+      stage[name] = owners.pop()
   undecided = []
   for name in order:
     if name in stage:
@@ -91,7 +127,10 @@ def assign_stages(graph, report, partition, order=None):
     else:
       known = [stage[d] for d in data if d in stage]
       if known:
-        stage[name] = max(known)
+        # Forward flows to later stages, backward to earlier ones: a residual
+        # stream's gradient sum joins the stage whose backward it continues.
+        backward = report.role.get(name) == constants.BACKWARD
+        stage[name] = min(known) if backward else max(known)
       else:
         undecided.append(name)
   for name in reversed(undecided):

@@ -36,7 +36,8 @@ from tfsplit.sharding.spec import Sharding
 
 @dataclasses.dataclass
 class CollectiveRecord:
-  kind: str          # all_reduce / reduce_scatter / all_to_all / all_gather / local_sum
+  kind: str          # all_reduce / reduce_scatter / all_to_all / all_gather /
+                     # local_sum / local_concat (over micro-batches, one device)
   axis: str
   tensor: str        # the original tensor it moves
   consumer: str      # the op that required it first
@@ -295,7 +296,7 @@ class Resharder(object):
         out[m] = acc
     if ordered:
       self.local_sums.append(accumulated)
-    self.collectives.append(CollectiveRecord("local_sum", axis, tensor(src, port), "",
+    self.collectives.append(CollectiveRecord("local_sum", axis, tensor(src, port), what[2],
                                              info.num_elements or 0))
     return out
 
@@ -317,6 +318,8 @@ class Resharder(object):
       self.b.add(node)
       for m in members:
         out[m] = node.name
+    self.collectives.append(CollectiveRecord("local_concat", axis, tensor(src, port), what[2],
+                                             info.num_elements or 0))
     return out
 
   def slice(self, current, ids, info, have, want, what, names=None):
