@@ -67,8 +67,10 @@ class OneFOneB(Schedule):
 
 
 SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB}
-# Marks the NoOp barriers a schedule adds (a runner gives such graphs one
-# Grappler round: the second round drops schedule edges).
+# Marks the NoOp barriers a schedule adds. Runners give such graphs one
+# Grappler round (runtime.graph_function.grappler_config): a second round
+# re-associates ops across blocks once the first has pruned the edges that
+# data paths imply.
 SCHEDULE_BARRIER_ATTR = "_tfsplit_schedule_barrier"
 # Nodes that do no per-micro-batch work (and may not take control inputs that
 # force them to run, like a fed placeholder).
@@ -99,8 +101,10 @@ def micro_batch_sets(graph_def, records, roles, mesh, after_update=()):
   """{(device id, j): {'F_in': set, 'F_out': set, 'B_in': set, 'B_out': set}}.
 
   records: local node -> NodeRecord (original node, device id, shared: serves
-  all micro-batches, not part of any one); roles: original node -> role;
-  after_update: original nodes that wait for the optimizer's updates.
+  all micro-batches, not part of any one); roles: original node -> role, of
+  the nodes in blocks (LayerReport.block_roles: what depends on no variable
+  is outside every block); after_update: original nodes that wait for the
+  optimizer's updates.
   """
   after_update = set(after_update)
   nodes = {n.name: n for n in graph_def.node}
@@ -150,7 +154,9 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
   identities), and not every rewrite carries a node's control inputs over.
   So the edges are made robust: a block's end is a NoOp barrier depending on
   every op of the block, and every op of the next block (not only its entry
-  ops) waits for that barrier.
+  ops) waits for that barrier; an op with control inputs is also one the
+  arithmetic optimizer does not re-associate with ops of other blocks. That
+  holds for one Grappler round only (see SCHEDULE_BARRIER_ATTR).
   """
   mb, pp = constants.MICROBATCH_AXIS, constants.PIPELINE_AXIS
   if mb not in mesh.axes:

@@ -17,9 +17,9 @@ from tfsplit.fileio import write_atomically
 from tfsplit.graph import Graph, find_variables, load_graph
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
-from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.runtime import seeds
 from tfsplit.runtime.devices import ensure_logical_devices, required_devices
+from tfsplit.runtime.graph_function import grappler_config
 from tfsplit.sharding.builder import read_records
 
 
@@ -98,19 +98,13 @@ class SessionRunner(object):
 
 
 def session_config(graph_def, num_cpus=None):
-  """ConfigProto for running `graph_def`: enough CPU devices, and for a
-  pipelined graph one Grappler round. (With the default two rounds, the
-  second dependency-optimizer pass drops schedule control edges that earlier
-  rewrites made look redundant, and stages run micro-batches out of order;
-  one round keeps every schedule edge, as the trace test checks.)"""
-  from tensorflow.core.protobuf import rewriter_config_pb2  # pylint: disable=import-outside-toplevel
+  """ConfigProto for running `graph_def`: enough CPU devices, and the Grappler
+  settings the graph needs (for a pipelined graph one round, so stages keep
+  the schedule's order: see graph_function.grappler_config)."""
   config = tf.compat.v1.ConfigProto(
       device_count={"CPU": num_cpus or required_devices(graph_def, "CPU")},
       allow_soft_placement=False)
-  if any(SCHEDULE_BARRIER_ATTR in n.attr for n in graph_def.node):
-    config.graph_options.rewrite_options.meta_optimizer_iterations = (
-        rewriter_config_pb2.RewriterConfig.ONE)
-  return config
+  return grappler_config(graph_def, config)
 
 
 def op_events(metadata):
@@ -238,7 +232,7 @@ def trace_file(path, output, manifest=None, original=None, seed=0):
   labels = {}
   if data:
     mesh = Mesh(data["mesh"], data["devices"]).with_microbatches(data.get("microbatches", 1))
-    labels = microbatch_labels(events, detect_layers(Graph(source_graph)).role, mesh,
-                               graph_def)
+    labels = microbatch_labels(events, detect_layers(Graph(source_graph)).block_roles(),
+                               mesh, graph_def)
   write_chrome_trace(events, output, labels)
   return len(events), len({e[0] for e in events})

@@ -7,7 +7,9 @@
 
 The function is traced once, its graph split (tfsplit.sharding), and the
 result imported with wrap_function over shard variables created from the
-current values of the function's variables.
+current values of the function's variables. A pipelined step runs with one
+Grappler round (see graph_function.grappler_config), so each stage keeps its
+schedule's order.
 """
 import numpy as np
 import tensorflow as tf
@@ -16,7 +18,7 @@ from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
 from tfsplit.runtime import shards as shards_lib
-from tfsplit.runtime.graph_function import import_graph
+from tfsplit.runtime.graph_function import import_graph, traced_call
 from tfsplit.sharding.mesh import Mesh
 from tfsplit.passes import split_graph
 
@@ -87,6 +89,12 @@ class SplitFunction(object):
   def __call__(self, *args):
     outputs = self._fn(*args)
     return outputs[0] if len(outputs) == 1 else outputs
+
+  def trace(self, *args):
+    """(outputs, op events) of one step, traced with TF's profiler; events are
+    [(device, node, start_us, end_us)] as in tfsplit.runtime.session.op_events."""
+    outputs, events = traced_call(self._fn, args, self.graph_def)
+    return (outputs[0] if len(outputs) == 1 else outputs), events
 
   def shard_values(self):
     """{shard name: numpy value}, every device's copy (see self.manifest)."""
