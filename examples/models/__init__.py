@@ -8,13 +8,17 @@
 Names are `<family>_<flavor>` with family in {mlp, gpt} and flavor in {raw,
 keras3, tfkeras}; sizes are tiny (tests), small (demos) and large (48-block
 GPT for benchmarking graph passes). Weights come from `seed` only.
+
+The corpus (corpus.py; CORPUS_NAMES, not in NAMES) adds Keras-only families
+causallm, llama, bert and vit as `<family>_{keras3,tfkeras}`, sizes tiny and
+small, built the same way: models.build("llama_keras3", size="tiny").
 """
 import time
 
 from absl import logging
 
-from .example import (CONFIGS, FLAVORS, KINDS, NAMES, SIZES, ExampleModel,
-                      GptConfig, MlpConfig)
+from .example import (CONFIGS, CORPUS_NAMES, FLAVORS, KINDS, NAMES, SIZES,
+                      ExampleModel, GptConfig, MlpConfig)
 
 
 def build(name, size="tiny", seed=0, batch_size=None):
@@ -24,12 +28,16 @@ def build(name, size="tiny", seed=0, batch_size=None):
   """
   from . import example  # pylint: disable=import-outside-toplevel
   family, flavor = example.split_name(name)
-  cfg = example.config_for(family, size, batch_size)
   start = time.time()
-  if flavor == "raw":
+  if family in example.CORPUS_FAMILIES:
+    from . import corpus  # pylint: disable=import-outside-toplevel
+    ex = corpus.build(name, size, seed, batch_size)
+  elif flavor == "raw":
+    cfg = example.config_for(family, size, batch_size)
     from . import raw  # pylint: disable=import-outside-toplevel
     ex = raw.build(family, name, size, cfg, seed)
   else:
+    cfg = example.config_for(family, size, batch_size)
     from . import keras_models  # pylint: disable=import-outside-toplevel
     if flavor == "keras3":
       import keras as K
@@ -41,5 +49,5 @@ def build(name, size="tiny", seed=0, batch_size=None):
   return ex
 
 
-__all__ = ["CONFIGS", "FLAVORS", "KINDS", "NAMES", "SIZES", "ExampleModel",
-           "GptConfig", "MlpConfig", "build"]
+__all__ = ["CONFIGS", "CORPUS_NAMES", "FLAVORS", "KINDS", "NAMES", "SIZES",
+           "ExampleModel", "GptConfig", "MlpConfig", "build"]

@@ -64,14 +64,20 @@ SIZES = ("tiny", "small", "large")
 FLAVORS = ("raw", "keras3", "tfkeras")
 NAMES = tuple(f"{family}_{flavor}" for flavor in FLAVORS
               for family in ("mlp", "gpt"))
+# The model corpus (corpus.py): Keras-only families, not in NAMES.
+CORPUS_FAMILIES = ("causallm", "llama", "bert", "vit")
+CORPUS_NAMES = tuple(f"{family}_{flavor}" for flavor in ("keras3", "tfkeras")
+                     for family in CORPUS_FAMILIES)
 
 
 def split_name(name):
   """'gpt_keras3' -> ('gpt', 'keras3'), with a helpful error otherwise."""
   family, _, flavor = name.partition("_")
+  if name in CORPUS_NAMES:
+    return family, flavor
   if family not in CONFIGS or flavor not in FLAVORS:
     raise TfsplitError(f"unknown example model '{name}'; choose one of "
-                       f"{', '.join(NAMES)}")
+                       f"{', '.join(NAMES + CORPUS_NAMES)}")
   return family, flavor
 
 
