@@ -24,14 +24,6 @@ MESHES = ("dp=2", "tp=2")
 CI = {"causallm_tfkeras": "tp=2", "llama_keras3": "tp=2",
       "bert_tfkeras": "dp=2", "vit_keras3": "dp=2"}
 # Known failures of tfsplit on the corpus (reported, not fixed here).
-XFAIL = {
-    ("bert_tfkeras", "tp=2"): (
-        "value bert/block_0/mlp/fc1/bias on /device:CPU:1: error 7.956e-07 > "
-        "tolerance 5.742e-07 (scale 2.995e-03): element 93's first gradient "
-        "is -1.7e-6 (3e-5 of the largest), Adam (eps 1e-7) turns its "
-        "rounding noise into 8e-4 of a step, and a zero-initialised bias's "
-        "own scale is its 3 steps; the update comparison passes"),
-}
 
 
 def _models(names=NAMES):
@@ -45,9 +37,6 @@ def _model_meshes():
   for name in NAMES:
     for mesh in MESHES:
       marks = [] if CI.get(name) == mesh else [pytest.mark.slow]
-      if (name, mesh) in XFAIL:
-        marks.append(pytest.mark.xfail(strict=True,
-                                       reason=XFAIL[(name, mesh)]))
       out.append(pytest.param(name, mesh, marks=marks, id=f"{name}-{mesh}"))
   return out
 

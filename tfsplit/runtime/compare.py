@@ -179,8 +179,14 @@ def compare_variables(manifest, start, want, shard_values, alternative=None,
     for device, shard_name, sl in shards:
       where = f"{name} on {device}" if device else name
       got = np.asarray(shard_values[shard_name])
-      out.append(compare("value", where, got, w[sl], rtol, noise_abs,
-                         scale=float(np.abs(w).max()) if w.size else None))
+      value_scale = float(np.abs(w).max()) if w.size else None
+      if update_scale is not None and rtol:
+        # A variable's value is its start plus its updates; the part that
+        # moved is held to the update's tolerance, not 1e-4 of itself (a
+        # bias or Adam moment that starts at zero is all update: Adam turns
+        # rounding in a near-zero gradient into a visible part of its step).
+        value_scale = max(value_scale, update_scale * update_rtol / rtol)
+      out.append(compare("value", where, got, w[sl], rtol, noise_abs, scale=value_scale))
       if update_scale is not None:
         # got - want == (got - start) - (want - start): the update's error.
         out.append(compare("update", where, got, w[sl], update_rtol, noise_abs,
