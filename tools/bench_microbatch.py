@@ -1,7 +1,8 @@
 """Benchmark: activation memory of in-graph micro-batching (gradient accumulation).
 
-In one process, splits the example's training step with `tfsplit.split(...,
-microbatches=m)` for each m (default 1, 2, 4, 8) and measures the allocator
+For each model (default: the whole real-structure corpus and the raw GPT),
+in one process, splits the example's training step with `tfsplit.split(...,
+mesh="dp=2", microbatches=m)` for each m (default 1, 4) and measures the allocator
 peak of one step: tf.config.experimental.reset_memory_stats, the memory in
 use just before the step (`current`: variables, inputs; the baseline), the
 step, then `peak`. Activation memory = peak - baseline; the median over
@@ -16,13 +17,15 @@ run in a scheduling-dependent order (those of different micro-batches side by
 side where the graph leaves them unordered), and the peak wanders from step
 to step.
 
-The `waits` column checks the rewritten graph: how many micro-batch input
-slices wait (control inputs) for the previous micro-batch's gradient
-contributions, out of the slices that should (2 inputs x (m - 1)). --explain
-profiles one more step per m and prints the tensors alive at its peak.
+The `waits` column checks the rewritten graph: how many micro-batches wait
+(control inputs on their first ops that depend on a weight) for the previous
+micro-batch's gradient contributions, out of those that should (m - 1 per
+replica). --explain profiles one more step per m and prints the tensors alive
+at its peak. The last lines give each model's m=4 / m=1 ratio (target: at
+most 0.4).
 
-    python tools/bench_microbatch.py [--model gpt_raw] [--size small] [--batch 32]
-        [--microbatches 1,2,4,8] [--steps 7] [--explain]
+    python tools/bench_microbatch.py [--models causallm_keras3,gpt_raw] [--size small]
+        [--batch 128] [--mesh dp=2] [--microbatches 1,4] [--steps 7] [--explain]
 """
 import gc
 import os
@@ -40,11 +43,15 @@ from benchlib import allocator_events, define_example_flags  # pylint: disable=g
 
 FLAGS = flags.FLAGS
 define_example_flags("small")
-flags.DEFINE_integer("batch", 32, "Batch size (divisible by every m).", lower_bound=1)
-flags.DEFINE_list("microbatches", ["1", "2", "4", "8"], "Micro-batch counts m.")
+flags.DEFINE_list("models", ["causallm_keras3", "causallm_tfkeras", "llama_keras3",
+                             "llama_tfkeras", "bert_keras3", "bert_tfkeras", "vit_keras3",
+                             "vit_tfkeras", "gpt_raw"],
+                  "Example models to measure (overrides --model when given).")
+flags.DEFINE_integer("batch", 128, "Batch size (divisible by every m).", lower_bound=1)
+flags.DEFINE_list("microbatches", ["1", "4"], "Micro-batch counts m.")
 flags.DEFINE_integer("steps", 7, "Measured steps per m (median).", lower_bound=1)
 flags.DEFINE_integer("warmup", 1, "Unmeasured steps first.", lower_bound=0)
-flags.DEFINE_string("mesh", "dp=1", "Mesh to split over (before the micro-batch axis).")
+flags.DEFINE_string("mesh", "dp=2", "Mesh to split over (before the micro-batch axis).")
 flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads.", lower_bound=1)
 flags.DEFINE_boolean("explain", False,
                      "Profile one step per m and print the tensors alive at its peak.")
@@ -81,15 +88,22 @@ def _measure(fn, inputs, device, steps, warmup):
           min(acts), max(acts), first)
 
 
-def _waits(graph_def):
-  """(input slices waiting on control inputs, input slices) of a split graph."""
-  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
-  inputs = set(graph_inputs(Graph(graph_def)))
-  slices = [n for n in graph_def.node if n.op == "Slice" and n.input and
-            n.input[0] in inputs]
-  waiting = [n for n in slices if any(t.startswith("^") for t in n.input)]
-  return len(waiting), len(slices)
+def _waits(graph_def, mesh, m):
+  """(micro-batches whose ops wait, through control inputs, for ops of the
+  previous micro-batch on the same replica; those that should)."""
+  from tfsplit.sharding.builder import read_records  # pylint: disable=import-outside-toplevel
+  records = read_records(graph_def)
+  waiting = set()
+  for n in graph_def.node:
+    record = records.get(n.name)
+    if record is None or mesh.coord(record.device_id, "mb") == 0:
+      continue
+    prev = mesh.device_id({**mesh.coords(record.device_id),
+                           "mb": mesh.coord(record.device_id, "mb") - 1})
+    if any(t.startswith("^") and t[1:] in records and records[t[1:]].device_id == prev
+           for t in n.input):
+      waiting.add(record.device_id)
+  return len(waiting), mesh.size // m * (m - 1)
 
 
 def _memory_events(fn, inputs):
@@ -156,26 +170,19 @@ def _explain(fn, inputs, top):
     print(f"    {b / _MIB:8.3f} MiB  {op}  {shape} ({region})")
 
 
-def main(argv):
-  del argv
+def _measure_model(name, ms, device):
+  """Prints the table of one model; returns {m: activation ratio to m=1}."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  # Before any op runs (the thread pools are created with the context).
-  tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
   import tfsplit  # pylint: disable=import-outside-toplevel
   import models  # pylint: disable=import-outside-toplevel
-
-  ms = [int(m) for m in FLAGS.microbatches]
-  device = _device()
-  ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  ex = models.build(name, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
   names = list(zip(ex.all_variables(), ex.variable_names()))
   inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
   var_bytes = sum(v.numpy().nbytes for v in ex.all_variables())
-  print(f"{FLAGS.model}/{FLAGS.size} batch {FLAGS.batch} on {device}: "
+  print(f"{name}/{FLAGS.size} batch {FLAGS.batch} on {device}: "
         f"{len(names)} variables ({var_bytes / _MIB:.2f} MiB with optimizer slots); "
         f"mesh {FLAGS.mesh}; {FLAGS.inter_op_threads} inter-op thread(s); median of "
         f"{FLAGS.steps} steps after {FLAGS.warmup} warm-up")
-  print()
-
   rows = []
   fn = ex.train_step
   rows.append(("unsplit", 1, _measure(fn, inputs, device, FLAGS.steps, FLAGS.warmup),
@@ -186,8 +193,9 @@ def main(argv):
   for m in ms:
     step = tfsplit.split(ex.train_step, mesh=FLAGS.mesh, microbatches=m,
                          input_signature=ex.train_signature, variable_names=names)
-    waiting, slices = _waits(step.graph_def)
-    waits = f"{waiting}/{slices - slices // m}" if m > 1 else "-"
+    waits = "-"
+    if m > 1:
+      waits = "%d/%d" % _waits(step.graph_def, step.result.mesh, m)
     rows.append((f"m={m}", m, _measure(step, inputs, device, FLAGS.steps, FLAGS.warmup),
                  waits, len(step.graph_def.node)))
     if FLAGS.explain:
@@ -196,8 +204,6 @@ def main(argv):
     # Each split creates its own shard variables: free them before the next.
     del step
     gc.collect()
-  if FLAGS.explain:
-    print()
 
   ref = next((r[2][2] for r in rows if r[0] == "m=1"), rows[0][2][2])
   header = (f"{'step':>8} {'nodes':>6} {'waits':>6} {'peak MiB':>9} {'base MiB':>9} "
@@ -209,15 +215,36 @@ def main(argv):
           f"{act / _MIB:>8.2f} {lo / _MIB:>6.2f}-{hi / _MIB:<6.2f} {act / ref:>6.3f} "
           f"{1.0 / m:>6.3f} {loss:>8.4f}")
   print()
+  return {m: act / ref for label, m, (_, _, act, _, _, _), _, _ in rows
+          if label.startswith("m=")}
+
+
+def main(argv):
+  del argv
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  # Before any op runs (the thread pools are created with the context).
+  tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
+  mesh_size = 1
+  for part in FLAGS.mesh.split(","):
+    mesh_size *= int(part.split("=")[1])
+  cpu = tf.config.list_physical_devices("CPU")[0]
+  if not tf.config.list_physical_devices("GPU") and mesh_size > 1:
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration()] * mesh_size)
+  ms = [int(m) for m in FLAGS.microbatches]
+  device = _device()
+  models_to_run = FLAGS.models if FLAGS.models else [FLAGS.model]
+  ratios = {name: _measure_model(name, ms, device) for name in models_to_run}
   print("act = peak - base (bytes in use just before the step: variables of the "
         "model, optimizer and live split step, and inputs); ratio = act / act(m=1); "
-        "waits = micro-batch input slices ordered after the previous micro-batch, "
-        "out of those that should be; loss = first loss of the step (the split steps "
-        "start from the same values)")
-  for label, m, (_, _, act, _, _, _), _, _ in rows:
-    if label.startswith("m="):
-      print(f"[{FLAGS.model} {FLAGS.size} b={FLAGS.batch} {label}] activation memory / "
-            f"m=1: {act / ref:.3f} (target 1/m = {1.0 / m:.3f})")
+        "waits = micro-batches ordered after the previous one, out of those that "
+        "should be; loss = first loss of the step (the split steps start from the "
+        "same values)")
+  for name, by_m in ratios.items():
+    for m, ratio in by_m.items():
+      if m > 1:
+        print(f"[{name} {FLAGS.size} b={FLAGS.batch} {FLAGS.mesh} m={m}] activation "
+              f"memory / m=1: {ratio:.3f} (target 1/m = {1.0 / m:.3f}, at most 0.4)")
 
 
 if __name__ == "__main__":
