@@ -56,8 +56,9 @@ class In:
   """One op input: its shape and value kind.
 
   kind: any (k/4, |k| <= 8), pos (k/4, 2 <= k <= 8), distinct (all values
-  different), int / ipos (int32), bool, idx:N (int32 in [0, N)), var /
-  var_pos (the tf.Variable itself is passed to the body, any / pos values)."""
+  different), int / ipos (int32), bool, idx:N (int32 in [0, N)), sorted:N
+  (rank 1: every int32 in [0, N), ascending), var / var_pos (the tf.Variable
+  itself is passed to the body, any / pos values)."""
   shape: Tuple[int, ...]
   kind: str = "any"
 
@@ -281,6 +282,26 @@ for _op in ("ArgMax", "ArgMin"):
       lambda p, x, _op=_op: getattr(R, _op)(input=x, dimension=p), multi=_op == "ArgMax")
 
 
+# Scans: variants are (axis, exclusive, reverse); the scanned dimension is
+# gathered (position ids: a cumsum of the padding mask over the sequence).
+def _scan(op):
+  def body(p, x):
+    axis = tf.constant(p[0], tf.int32) if p[0] != "runtime" else _runtime_int(x, 1)
+    return getattr(R, op)(x=x, axis=axis, exclusive=p[1], reverse=p[2])
+  return body
+
+
+_SCAN = [V([I(4, 8)], (1, False, False)), V([I(4, 8)], (0, True, False)),
+         V([I(2, 4, 8)], (-1, False, True)), V([I(2, 4, 8)], (1, True, True))]
+row("Cumsum", _SCAN + [V([I(4, 8, kind="int")], (1, False, False)),
+                       V([I(4, 8)], ("runtime", False, False))],
+    _scan("Cumsum"), multi=True, fallbacks={"Cumsum": "scan axis is not constant"})
+row("Cumprod", kinds(_SCAN, "pos"), _scan("Cumprod"))
+# (an exclusive one starts at -inf, which the comparison cannot take)
+row("CumulativeLogsumexp", [V(v.ins, (v.p[0], False, v.p[2])) for v in _SCAN],
+    _scan("CumulativeLogsumexp"))
+
+
 # Shape ops.
 row("Reshape", [V([I(4, 8)], [32]), V([I(4, 8)], [2, 2, 8]), V([I(2, 4, 8)], [8, 8]),
                 V([I(4, 8)], [4, 2, 4]), V([I(4, 8)], [4, 1, 8]), V([I(4, 1, 8)], [32]),
@@ -294,11 +315,16 @@ row("ExpandDims", [V([I(4, 8)], 0), V([I(4, 8)], -1), V([I(4, 8)], 1), V([I(8)],
     lambda p, x: tf.expand_dims(x, p))
 row("Squeeze", [V([I(4, 1, 8)], [1]), V([I(1, 8)], []), V([I(4, 8, 1)], [-1])],
     lambda p, x: tf.squeeze(x, p))
+# A replicated input takes the split of another (a class token in front of
+# batch-split patches): the ns variants keep input 0 replicated.
 row("ConcatV2", [V([I(4, 8), I(4, 8)], 0), V([I(4, 8), I(4, 4), I(4, 8)], 1),
-                 V([I(2, 4, 8), I(2, 4, 8)], -1), V([I(2, 4, 8), I(2, 4, 8)], 1)],
+                 V([I(2, 4, 8), I(2, 4, 8)], -1), V([I(2, 4, 8), I(2, 4, 8)], 1),
+                 V([I(4, 8), I(4, 8)], 1, ns={0: (0, 1)}),
+                 V([I(2, 1, 8), I(2, 4, 8)], 1, ns={0: (0, 1, 2)})],
     lambda p, *xs: tf.concat(list(xs), p), multi=True)
 row("Pack", [V([I(4, 8), I(4, 8)], 0), V([I(4, 8), I(4, 8), I(4, 8)], 1),
-             V([I(8), I(8)], -1)], lambda p, *xs: tf.stack(list(xs), p), multi=True)
+             V([I(8), I(8)], -1), V([I(4, 8), I(4, 8)], 0, ns={0: (0, 1)})],
+    lambda p, *xs: tf.stack(list(xs), p), multi=True)
 row("Unpack", [V([I(2, 8)], 0), V([I(4, 2)], 1), V([I(2, 4, 8)], 0), V([I(4, 2, 8)], 1)],
     lambda p, x: tf.unstack(x, axis=p))
 row("Split", [V([I(4, 8)], 1), V([I(4, 8)], 0), V([I(2, 4, 8)], -1)],
@@ -309,17 +335,72 @@ row("SplitV", [V([I(4, 8)], ([3, 5], 1)), V([I(4, 8)], ([1, 3], 0)),
 row("Slice", [V([I(4, 8)], ([1, 0], [2, -1])), V([I(4, 8)], ([0, 2], [4, 4])),
               V([I(4, 8)], ([0, 0], [-1, 8])), V([I(2, 4, 8)], ([0, 1, 0], [2, 2, -1]))],
     lambda p, x: tf.slice(x, p[0], p[1]), multi=True)
+# (input shape, slice): dimensions taken whole keep their split.
 _SS = [
-    lambda x: x[1:3, :],
-    lambda x: x[:, 2:6],
-    lambda x: x[0],                 # shrink_axis_mask: not simple
-    lambda x: x[::2, 1:],          # stride: not simple
-    lambda x: x[:, :],
-    lambda x: x[0:4, 0:8],
-    lambda x: x[..., 1:],           # ellipsis: not simple
+    ((4, 8), lambda x: x[1:3, :]),
+    ((4, 8), lambda x: x[:, 2:6]),
+    ((4, 8), lambda x: x[0]),                  # shrink_axis_mask
+    ((4, 8), lambda x: x[::2, 1:]),            # stride 2: gathered
+    ((4, 8), lambda x: x[:, :]),
+    ((4, 8), lambda x: x[0:4, 0:8]),           # whole, with an explicit end
+    ((4, 8), lambda x: x[..., 1:]),            # ellipsis
+    ((4, 8), lambda x: x[-4:, :100]),          # negative begin, end past the size
+    ((4, 8), lambda x: x[:, -1]),              # shrink at a negative index
+    ((4, 8), lambda x: x[:, None, 2:]),        # new axis
+    ((2, 4, 8), lambda x: x[1:3, :]),
+    ((2, 4, 8), lambda x: x[..., None, :4]),   # ellipsis, then a new axis
+    ((2, 4, 8), lambda x: x[None, :, 1, ...]),  # new axis, shrink, ellipsis
+    ((4, 8), lambda x: x[:, _runtime_int(x, 1)]),  # run-time begin and end
 ]
-row("StridedSlice", [V([I(4, 8)], k) for k in range(len(_SS))] + [V([I(2, 4, 8)], 0)],
-    lambda p, x: _SS[p](x), multi=True)
+row("StridedSlice", [V([I(*shape)], k) for k, (shape, _) in enumerate(_SS)],
+    lambda p, x: _SS[p][1](x), multi=True)
+
+
+def _slice_grad(p, x, dy):
+  with tf.GradientTape() as tape:
+    tape.watch(x)
+    y = _SS[p][1](x)
+  return tape.gradient(y, x, output_gradients=dy)
+
+
+# dy takes the slice's output shape; x only gives the shape.
+row("StridedSliceGrad", [
+    V([I(*shape), I(*fn(tf.zeros(shape)).shape)], k) for k, (shape, fn) in enumerate(_SS)],
+    _slice_grad, multi=True)
+
+def _pad_body(op):
+  def body(p, x):
+    if p == "tape":   # the gradient of a Slice is a Pad
+      with tf.GradientTape() as tape:
+        tape.watch(x)
+        y = tf.slice(x, [1, 0], [2, -1])
+        loss = tf.reduce_sum(y * y)
+      return tape.gradient(loss, x)
+    paddings, value = p
+    paddings = tf.constant(paddings) if paddings != "runtime" else \
+        _runtime_int(x, [[1, 0], [0, 0]])
+    if op == "Pad":
+      return R.Pad(input=x, paddings=paddings)
+    if op == "PadV2":
+      return R.PadV2(input=x, paddings=paddings, constant_values=tf.constant(value))
+    return R.MirrorPad(input=x, paddings=paddings, mode=value)
+  return body
+
+
+# A split dimension stays split only where it is not padded.
+_PAD = [V([I(4, 8)], [[1, 2], [0, 0]]), V([I(4, 8)], [[0, 0], [2, 1]]),
+        V([I(4, 8)], [[0, 0], [0, 0]]), V([I(2, 4, 8)], [[0, 0], [1, 0], [0, 2]])]
+row("Pad", [V(v.ins, (v.p, None)) for v in _PAD] + [V([I(4, 8)], "tape"),
+                                                    V([I(4, 8)], ("runtime", None))],
+    _pad_body("Pad"), multi=True, fallbacks={"Pad": "paddings are not constant"})
+# PadV2 is linear (partial sums pass) only with a zero pad value (the
+# partial copy is of the first variant).
+row("PadV2", [V(_PAD[1].ins, (_PAD[1].p, 1.5)), V(_PAD[0].ins, (_PAD[0].p, 0.0)),
+              V(_PAD[2].ins, (_PAD[2].p, -1.0)), V(_PAD[3].ins, (_PAD[3].p, 0.0)),
+              V(_PAD[0].ins, (_PAD[0].p, 2.0))], _pad_body("PadV2"), multi=True)
+row("MirrorPad", [V(_PAD[0].ins, (_PAD[0].p, "REFLECT")),
+                  V(_PAD[1].ins, (_PAD[1].p, "SYMMETRIC")),
+                  V(_PAD[3].ins, (_PAD[3].p, "REFLECT"))], _pad_body("MirrorPad"))
 row("Tile", [V([I(4, 8)], [1, 2]), V([I(4, 8)], [2, 1]), V([I(2, 4, 8)], [1, 1, 2])],
     lambda p, x: tf.tile(x, p))
 row("BroadcastTo", [V([I(1, 8)], [4, 8]), V([I(8)], [4, 8]), V([I(4, 1)], [4, 8]),
@@ -369,15 +450,72 @@ row("SoftmaxCrossEntropyWithLogits",
     [V([I(4, 8), I(4, 8, kind="pos")]), V([I(8, 4), I(8, 4, kind="pos")])],
     lambda p, x, y: list(R.SoftmaxCrossEntropyWithLogits(features=x, labels=y)),
     multi=True)
+# One-hot labels: variants are (depth, axis); on/off values from inputs too.
+row("OneHot", [V([I(4, kind="idx:8")], (8, -1)), V([I(4, 2, kind="idx:4")], (4, 0)),
+               V([I(4, 2, kind="idx:4")], (4, 1)),
+               V([I(8, kind="idx:4"), I(), I()], (4, -1))],
+    lambda p, i, *on_off: tf.one_hot(i, p[0], *(on_off or (1.5, -0.5)), axis=p[1]),
+    multi=True)
+# Causal masks: variants are (num_lower, num_upper).
+row("MatrixBandPart", [V([I(2, 4, 4)], (-1, 0)), V([I(4, 8)], (1, 2)),
+                       V([I(2, 2, 4, 4)], (0, -1))],
+    lambda p, x: tf.linalg.band_part(x, p[0], p[1]), multi=True)
 
+
+
+# 2-D convolutions: p = (sizes of the shape input, stride, padding, format).
+def _conv(op):
+  def body(p, a, b):
+    sizes, stride, padding, fmt = p
+    strides = [1, stride, stride, 1] if fmt == "NHWC" else [1, 1, stride, stride]
+    kw = dict(strides=strides, padding=padding, data_format=fmt)
+    if op == "Conv2D":
+      return R.Conv2D(input=a, filter=b, **kw)
+    if op == "Conv2DBackpropFilter":
+      return R.Conv2DBackpropFilter(input=a, filter_sizes=tf.constant(sizes),
+                                    out_backprop=b, **kw)
+    return R.Conv2DBackpropInput(input_sizes=tf.constant(sizes), filter=a, out_backprop=b,
+                                 **kw)
+  return body
+
+
+# The batch and the channels may stay split; the window's dimensions are
+# gathered (the last variant of each splits nothing but them). A grouped
+# convolution (image channels 4, filter channels 2) keeps its channels whole.
+_SPATIAL = (0, 3)   # NHWC dims other than the window's
+row("Conv2D", [V([I(2, 4, 4, 4), I(3, 3, 4, 8)], (None, 1, "SAME", "NHWC")),
+               V([I(4, 4, 4, 2), I(2, 2, 2, 4)], (None, 2, "VALID", "NHWC")),
+               V([I(2, 4, 4, 4), I(1, 1, 2, 4)], (None, 1, "SAME", "NHWC")),
+               V([I(2, 4, 4, 4), I(3, 3, 4, 8)], (None, 1, "SAME", "NHWC"),
+                 ns={0: _SPATIAL})],
+    _conv("Conv2D"), multi=True)
+row("Conv2DBackpropFilter",
+    [V([I(2, 4, 4, 4), I(2, 4, 4, 8)], ([3, 3, 4, 8], 1, "SAME", "NHWC")),
+     V([I(4, 4, 4, 2), I(4, 2, 2, 4)], ([2, 2, 2, 4], 2, "VALID", "NHWC")),
+     V([I(2, 4, 4, 4), I(2, 4, 4, 4)], ([1, 1, 2, 4], 1, "SAME", "NHWC")),
+     V([I(2, 4, 4, 4), I(2, 4, 4, 8)], ([3, 3, 4, 8], 1, "SAME", "NHWC"),
+       ns={0: _SPATIAL, 1: _SPATIAL})],
+    _conv("Conv2DBackpropFilter"), multi=True)
+row("Conv2DBackpropInput",
+    [V([I(3, 3, 4, 8), I(2, 4, 4, 8)], ([2, 4, 4, 4], 1, "SAME", "NHWC")),
+     V([I(2, 2, 2, 4), I(4, 2, 2, 4)], ([4, 4, 4, 2], 2, "VALID", "NHWC")),
+     V([I(1, 1, 2, 4), I(2, 4, 4, 4)], ([2, 4, 4, 4], 1, "SAME", "NHWC")),
+     V([I(3, 3, 4, 8), I(2, 4, 4, 8)], ([2, 4, 4, 4], 1, "SAME", "NHWC"),
+       ns={0: (2, 3), 1: _SPATIAL})],
+    _conv("Conv2DBackpropInput"))
 
 # Gathers and segment sums.
-row("GatherV2", [V([I(8, 4), I(4, kind="idx:8")], 0), V([I(4, 8), I(4, kind="idx:8")], 1),
-                 V([I(8, 4), I(2, 2, kind="idx:8")], 0), V([I(2, 8, 4), I(4, kind="idx:8")], 1),
-                 V([I(4, 8), I(4, 2, kind="idx:8")], "batch_dims")],
-    lambda p, x, i: (tf.gather(x, i, axis=p) if p != "batch_dims" else
-                     tf.gather(x, i, axis=1, batch_dims=1)),
-    multi=True, fallbacks={"GatherV2": "batch_dims != 0"})
+# Variants are (axis, batch_dims): with batch_dims, params and indices are
+# split alike along their leading dimensions.
+row("GatherV2", [V([I(8, 4), I(4, kind="idx:8")], (0, 0)),
+                 V([I(4, 8), I(4, kind="idx:8")], (1, 0)),
+                 V([I(8, 4), I(2, 2, kind="idx:8")], (0, 0)),
+                 V([I(2, 8, 4), I(4, kind="idx:8")], (1, 0)),
+                 V([I(4, 8), I(4, 2, kind="idx:8")], (1, 1)),
+                 V([I(4, 8, 2), I(4, 2, kind="idx:8")], (1, -1)),
+                 V([I(2, 4, 8), I(2, 4, 2, kind="idx:8")], (2, 2)),
+                 V([I(4, 2, 8), I(4, 2, kind="idx:8")], (2, 1))],
+    lambda p, x, i: tf.gather(x, i, axis=p[0], batch_dims=p[1]), multi=True)
 row("ResourceGather", [V([I(8, 4, kind="var"), I(4, kind="idx:8")]),
                        V([I(8, 4, kind="var"), I(2, 2, kind="idx:8")])],
     lambda p, v, i: tf.gather(v, i) * 1.0, no_split={0: (0,)}, multi=True)
@@ -385,6 +523,16 @@ row("UnsortedSegmentSum", [V([I(4, 8), I(4, kind="idx:3")], 3),
                            V([I(4, 2, 4), I(4, 2, kind="idx:4")], 4),
                            V([I(4, 8), I(4, 8, kind="idx:2")], 2)],
     lambda p, x, i: tf.math.unsorted_segment_sum(x, i, p), multi=True)
+# Other segment reductions: the ids' dimensions are gathered, the rest stays
+# split. Sorted segment ids (kind sorted:N) number the output rows.
+_USEG = [V([I(4, 8), I(4, kind="idx:3")], 3), V([I(4, 2, 4), I(4, 2, kind="idx:4")], 4)]
+for _op in ("UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd"):
+  row(_op, _USEG, lambda p, x, i, _op=_op: getattr(R, _op)(
+      data=x, segment_ids=i, num_segments=p))
+for _op in ("SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd"):
+  row(_op, [V([I(4, 8), I(4, kind="sorted:3")]), V([I(8, 2, 4), I(8, kind="sorted:4")])],
+      lambda p, x, i, _op=_op: getattr(R, _op)(data=x, segment_ids=i),
+      multi=_op == "SegmentSum")
 
 
 # Variables.
@@ -475,6 +623,10 @@ def _values(rng, spec):
     return rng.random(shape) < 0.5
   if kind.startswith("idx:"):
     return rng.integers(0, int(kind[4:]), shape).astype(np.int32)
+  if kind.startswith("sorted:"):   # every id in [0, N) at least once, ascending
+    n = int(kind[7:])
+    return np.sort(np.concatenate([np.arange(n), rng.integers(0, n, shape[0] - n)])
+                   ).astype(np.int32)
   raise ValueError(kind)
 
 

@@ -2,16 +2,28 @@
 layer table (params, optimizer state, forward/backward FLOPs, activations kept
 for backward) and totals. GRAPH is a .pb / .pbtxt GraphDef or a SavedModel
 directory.
+
+With --mesh, also the ops that would fall back to replication if the graph
+were split over that mesh (as `tfsplit rewrite` would split it, with the same
+--microbatches, --stages, --strategy and --annotate): grouped per op type,
+with how many, example nodes and why. Nothing is rewritten.
 """
+import collections
+import re
 import sys
 
 from absl import flags
 
 from tfsplit import report as report_lib
 from tfsplit.commands import common
+from tfsplit.errors import TfsplitError
 
-USAGE = "tfsplit inspect GRAPH [--format table|json] [-o REPORT]"
+USAGE = ("tfsplit inspect GRAPH [--mesh dp=2,tp=2 [--microbatches N] [--stages S]] "
+         "[--format table|json] [-o REPORT]")
 ARGS = (1, 1)
+_EXAMPLES = 3   # node names shown per op type in the table
+_MESSAGE = re.compile(r"^node '(?P<node>.*)' \(op (?P<op>[^)]*)\): (?P<reason>.*?); its "
+                      r"split inputs are gathered")
 
 
 def define_flags(fv):
@@ -21,14 +33,100 @@ def define_flags(fv):
   flags.DEFINE_integer("layer-depth", None, "Force the name-scope depth of layers "
                        "(default: detected).", flag_values=fv)
   flags.DEFINE_integer("top-ops", 25, "Op types shown in the table.", flag_values=fv)
+  flags.DEFINE_string("mesh", None, "Also list the ops that would fall back to "
+                      "replication when split over this mesh, e.g. dp=2,tp=2 (pp= "
+                      "adds pipeline stages).", flag_values=fv)
+  flags.DEFINE_integer("microbatches", 1, "With --mesh: micro-batches per step.",
+                       flag_values=fv)
+  flags.DEFINE_integer("stages", 1, "With --mesh: pipeline stages (a pp axis in front "
+                       "of --mesh).", flag_values=fv)
+  flags.DEFINE_enum("strategy", "megatron", ["megatron", "none"], "With --mesh: how "
+                    "to choose what to split.", flag_values=fv)
+  flags.DEFINE_multi_string("annotate", [], "With --mesh: VARIABLE_GLOB=DIMS, as for "
+                            "rewrite.", flag_values=fv)
 
 
 def run(fv, args):
+  mesh_flags = [f"--{n}" for n in ("microbatches", "stages", "strategy", "annotate")
+                if fv[n].present]
+  if mesh_flags and not fv.mesh:
+    verb = "needs" if len(mesh_flags) == 1 else "need"
+    raise TfsplitError(f"{', '.join(mesh_flags)} {verb} --mesh, the split whose "
+                       "fallbacks to list (e.g. --mesh dp=2)")
+  mesh = None
+  if fv.mesh:
+    from tfsplit.passes.rewrite import make_mesh  # pylint: disable=import-outside-toplevel
+    mesh = make_mesh(fv.mesh, fv.stages)  # a bad mesh fails before any work
   report = report_lib.inspect_graph(args[0], fv.signature, fv["layer-depth"].value,
                                     fv.variables)
+  lines = report_lib.inspect_table(report, fv["top-ops"].value)
+  if mesh is not None:
+    report["fallbacks"] = mesh_fallbacks(args[0], mesh, fv)
+    # Before the closing "inspected in" line.
+    lines[-1:-1] = fallback_table(report["fallbacks"]) + [""]
   note = report_lib.unknown_shapes_note(report)
   if note:
     sys.stderr.write(f"tfsplit inspect: note: {note}\n")
-  common.emit_report(fv.format, report, report_lib.inspect_table(report, fv["top-ops"].value),
-                     fv.output)
+  common.emit_report(fv.format, report, lines, fv.output)
   return 0
+
+
+def mesh_fallbacks(source, mesh, fv):
+  """The fallbacks of splitting `source` over `mesh`, grouped per op type.
+
+  Runs the split's own passes up to the stage assignment (propagation
+  decides every fallback; a mesh that does not fit the graph fails there,
+  as in rewrite) and leaves materializing the devices out."""
+  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph, recover
+  from tfsplit.passes import split as split_lib
+  from tfsplit.passes.analysis import Analysis
+  from tfsplit.passes.config import SplitConfig
+  from tfsplit.passes.rewrite import parse_annotation
+  graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
+  recover.require_variable_shapes(graph_def, source)
+  config = SplitConfig(mesh, strategy=fv.strategy, microbatches=fv.microbatches,
+                       annotations=dict(parse_annotation(a) for a in fv.annotate))
+  state = split_lib.SplitState(config, mesh.with_microbatches(int(config.microbatches)),
+                               Analysis(graph_def))
+  last = split_lib.PASSES.index(split_lib.assign_stages)
+  for pass_fn in split_lib.PASSES[:last + 1]:
+    pass_fn(state)
+  return group_fallbacks(state.propagation.fallbacks, mesh, config)
+
+
+def group_fallbacks(messages, mesh, config):
+  """{mesh, ..., count, by_op: [{op, count, reasons: {reason: count}, nodes}]},
+  op types by count (most first)."""
+  groups = collections.OrderedDict()
+  for text in messages:
+    m = _MESSAGE.match(text)
+    node, op, reason = (m.group("node"), m.group("op"), m.group("reason")) if m else \
+        ("?", "?", text)
+    group = groups.setdefault(op, {"op": op, "count": 0, "reasons": {}, "nodes": []})
+    group["count"] += 1
+    group["reasons"][reason] = group["reasons"].get(reason, 0) + 1
+    group["nodes"].append(node)
+  ops = sorted(groups.values(), key=lambda g: (-g["count"], g["op"]))
+  return {"mesh": str(mesh), "microbatches": int(config.microbatches),
+          "strategy": config.strategy, "count": len(messages), "by_op": ops}
+
+
+def fallback_table(data):
+  """Text lines of a group_fallbacks result: one line when there are none."""
+  where = f"mesh {data['mesh']}" + (f", {data['microbatches']} micro-batches"
+                                    if data["microbatches"] > 1 else "")
+  if not data["count"]:
+    return [f"fallbacks to replication over {where}: none"]
+  rows = []
+  for g in data["by_op"]:
+    shown = g["nodes"][:_EXAMPLES]
+    more = len(g["nodes"]) - len(shown)
+    rows.append([g["op"], str(g["count"]), "; ".join(g["reasons"]),
+                 ", ".join(shown) + (f" (+{more} more)" if more else "")])
+  n, kinds = data["count"], len(data["by_op"])
+  verb = "gather their" if n > 1 else "gathers its"
+  return [f"fallbacks to replication over {where}: {n} op{'s' if n > 1 else ''} "
+          f"({kinds} op type{'s' if kinds > 1 else ''}) {verb} split inputs",
+          report_lib.format_table(["op", "count", "reason", "nodes"], rows,
+                                  align="<><<")]

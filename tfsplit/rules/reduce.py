@@ -1,13 +1,15 @@
-"""Reductions: Sum, Mean, Max, Min, Prod, All, Any, EuclideanNorm.
+"""Reductions: Sum, Mean, Max, Min, Prod, All, Any, EuclideanNorm; scans:
+Cumsum, Cumprod, CumulativeLogsumexp.
 
 Summing over a split dimension leaves a partial sum over its axis (no
 communication yet). A Mean over a split dimension is a local mean of 1/n of
 the elements; it is scaled by 1/n so the partial sum is the global mean.
 Max/Min/Prod over a split dimension need the whole dimension (gathered).
+A scan needs its scanned dimension whole; the others stay split.
 """
 import numpy as np
 
-from tfsplit.rules.base import Decision, register
+from tfsplit.rules.base import Decision, fallback, register
 from tfsplit.sharding.spec import Sharding
 
 LINEAR_REDUCTIONS = ("Sum", "Mean")
@@ -60,3 +62,19 @@ def reduction(ctx):
   if scaled > 1:
     decision.localize = lambda lctx, n=scaled: lctx.scale_output(1.0 / n)
   return decision
+
+
+@register("Cumsum", "Cumprod", "CumulativeLogsumexp")
+def scan(ctx):
+  """Position ids from a padding mask (cumsum over the sequence): the batch
+  stays split. Only Cumsum is linear (partial sums pass through)."""
+  spec = ctx.in_specs[0]
+  axis = ctx.const_inputs[1]
+  if axis is None:
+    return fallback(ctx, "scan axis is not constant")
+  axis = int(axis) % spec.rank
+  dims = list(spec.dims)
+  dims[axis] = None
+  partial = spec.partial if ctx.node.op == "Cumsum" else frozenset()
+  out = Sharding(tuple(dims), partial)
+  return Decision([out, ctx.in_specs[1]], [out])

@@ -1,6 +1,6 @@
 """Ops that move or view data: Reshape, Transpose, ExpandDims, Squeeze,
-ConcatV2, Pack, Unpack, Split, SplitV, Slice, StridedSlice, Tile, BroadcastTo,
-Fill, Const, Placeholder.
+ConcatV2, Pack, Unpack, Split, SplitV, Slice, StridedSlice(Grad), Pad, PadV2,
+MirrorPad, Tile, BroadcastTo, Fill, Const, Placeholder.
 
 These carry global sizes in constant inputs (a Reshape target, Slice sizes,
 BroadcastTo shapes); `localize` rewrites them to each device's local sizes.
@@ -8,7 +8,7 @@ All are linear, so partial sums pass through.
 """
 import numpy as np
 
-from tfsplit.rules.base import Decision, divisible, register
+from tfsplit.rules.base import Decision, divisible, fallback, register
 from tfsplit.sharding.spec import Sharding
 
 
@@ -112,27 +112,40 @@ def squeeze(ctx):
   return Decision([spec], [Sharding(tuple(dims), spec.partial)])
 
 
+def _merged_dims(specs, skip=None):
+  """Per dimension, the axis of the first input that splits it (each axis
+  once), except dimension `skip`. An input replicated where another is split
+  is sliced locally, which is free; gathering the split one is not (a class
+  token concatenated in front of batch-split patches)."""
+  dims, used = [None] * specs[0].rank, set()
+  for spec in specs:
+    for i, axis in spec.split_dims():
+      if i != skip and dims[i] is None and axis not in used:
+        dims[i] = axis
+        used.add(axis)
+  return dims
+
+
+def _common_partial(specs):
+  first = specs[0].partial
+  return first if all(s.partial == first for s in specs) else frozenset()
+
+
 @register("ConcatV2")
 def concat(ctx):
   n = len(ctx.in_specs) - 1
-  rank = ctx.out_rank()
-  axis = int(_const_int(ctx, n)) % rank
-  first = ctx.in_specs[0]
-  dims = list(first.dims)
-  dims[axis] = None
-  partial = first.partial if all(s.partial == first.partial for s in ctx.in_specs[:n]) \
-      else frozenset()
-  req = [Sharding(tuple(dims), partial)] * n + [ctx.in_specs[n]]
-  return Decision(req, [Sharding(tuple(dims), partial)])
+  axis = int(_const_int(ctx, n)) % ctx.out_rank()
+  dims = tuple(_merged_dims(ctx.in_specs[:n], skip=axis))
+  partial = _common_partial(ctx.in_specs[:n])
+  req = [Sharding(dims, partial)] * n + [ctx.in_specs[n]]
+  return Decision(req, [Sharding(dims, partial)])
 
 
 @register("Pack")
 def pack(ctx):
   axis = ctx.node.attr["axis"].i % ctx.out_rank()
-  first = ctx.in_specs[0]
-  partial = first.partial if all(s.partial == first.partial for s in ctx.in_specs) \
-      else frozenset()
-  dims = list(first.dims)
+  dims = _merged_dims(ctx.in_specs)
+  partial = _common_partial(ctx.in_specs)
   out = list(dims)
   out.insert(axis, None)
   return Decision([Sharding(tuple(dims), partial)] * len(ctx.in_specs),
@@ -205,23 +218,151 @@ def slice_(ctx):
   return Decision(req, [out], localize=_local_extent(size, out))
 
 
+def _strided_entries(attrs, n, shape, begin, end, strides):
+  """StridedSlice's dense spec: one (input dim, output dim, whole, sparse index)
+  per entry; input dim None for a new axis, output dim None for a shrunk one.
+
+  `whole` is True where the entry takes its input dimension entirely, in
+  order (the only entries that may stay split). begin/end/strides may be None
+  (not constant); a masked begin or end needs no value.
+  """
+  masks = {k: attrs[k].i for k in ("begin_mask", "end_mask", "ellipsis_mask",
+                                   "new_axis_mask", "shrink_axis_mask")}
+
+  def bit(mask, i):
+    return bool(masks[mask] >> i & 1)
+  explicit = sum(1 for i in range(n) if not bit("ellipsis_mask", i) and
+                 not bit("new_axis_mask", i))
+  entries, d, o, ellipsis = [], 0, 0, False
+  for i in range(n):
+    if bit("ellipsis_mask", i) and not ellipsis:
+      ellipsis = True
+      for _ in range(len(shape) - explicit):
+        entries.append((d, o, True, None))
+        d, o = d + 1, o + 1
+    elif bit("ellipsis_mask", i) or bit("new_axis_mask", i):
+      entries.append((None, o, False, i))
+      o += 1
+    elif bit("shrink_axis_mask", i):
+      entries.append((d, None, False, i))
+      d += 1
+    else:
+      entries.append((d, o, strides is not None and int(strides[i]) == 1 and
+                      _from_start(bit("begin_mask", i), begin, i, shape[d]) and
+                      _to_end(bit("end_mask", i), end, i, shape[d]), i))
+      d, o = d + 1, o + 1
+  while d < len(shape):   # an implicit ellipsis at the end
+    entries.append((d, o, True, None))
+    d, o = d + 1, o + 1
+  return entries
+
+
+def _from_start(masked, begin, i, size):
+  if masked:
+    return True
+  if begin is None or (begin[i] < 0 and size is None):
+    return False
+  return (begin[i] + size if begin[i] < 0 else begin[i]) <= 0
+
+
+def _to_end(masked, end, i, size):
+  if masked:
+    return True
+  if end is None or size is None:
+    return False
+  return (end[i] + size if end[i] < 0 else end[i]) >= size
+
+
+def _local_end(end, entries, out_dims, index):
+  """localize: StridedSlice(Grad)'s `end` (input `index`) with the global
+  size of each split whole dimension replaced by the local size (a run-time
+  end can only be masked there, so it is left as it is)."""
+  def localize(lctx):
+    if end is None:
+      return
+    local = list(end)
+    for _, o, _, i in entries:
+      if i is not None and o is not None and out_dims[o] is not None:
+        local[i] = lctx.local_out_shape(0)[o]
+    lctx.const_input(index, np.asarray(local, lctx.input_dtype(index)))
+  return localize
+
+
 @register("StridedSlice")
 def strided_slice(ctx):
-  attrs = ctx.node.attr
-  begin, end, strides = _const_int(ctx, 1), _const_int(ctx, 2), _const_int(ctx, 3)
-  simple = (attrs["ellipsis_mask"].i == 0 and attrs["new_axis_mask"].i == 0 and
-            attrs["shrink_axis_mask"].i == 0 and begin is not None and end is not None
-            and strides is not None and all(strides == 1) and
-            len(begin) == ctx.rank(0))
+  """Dimensions taken whole (ellipsis, new axes, full ranges) keep their split;
+  a split dimension that is shrunk, cut or strided is gathered first."""
   spec = ctx.in_specs[0]
-  if not simple:
-    req = [Sharding(tuple([None] * spec.rank), spec.partial)] + list(ctx.in_specs[1:])
-    return Decision(req, [Sharding(tuple([None] * ctx.out_rank()), spec.partial)])
-  shape = ctx.in_shape(0)
-  b = [0 if attrs["begin_mask"].i >> i & 1 else begin[i] for i in range(len(begin))]
-  e = [shape[i] if attrs["end_mask"].i >> i & 1 else end[i] for i in range(len(end))]
-  req, out = _slice_like(ctx, b, e, True)
-  return Decision(req, [out], localize=_local_extent(end, out))
+  begin, end, strides = _const_int(ctx, 1), _const_int(ctx, 2), _const_int(ctx, 3)
+  if ctx.in_shape(1)[0] is None:
+    return fallback(ctx, "the number of slice bounds is unknown")
+  entries = _strided_entries(ctx.node.attr, ctx.in_shape(1)[0], ctx.in_shape(0),
+                             begin, end, strides)
+  in_dims, out_dims = list(spec.dims), [None] * ctx.out_rank()
+  for d, o, whole, _ in entries:
+    if d is None or spec.dims[d] is None:
+      continue
+    if whole:
+      out_dims[o] = spec.dims[d]
+    else:
+      in_dims[d] = None
+  req = [Sharding(tuple(in_dims), spec.partial)] + list(ctx.in_specs[1:])
+  return Decision(req, [Sharding(tuple(out_dims), spec.partial)],
+                  localize=_local_end(end, entries, out_dims, 2))
+
+
+@register("StridedSliceGrad")
+def strided_slice_grad(ctx):
+  """The gradient of a StridedSlice scatters dy into zeros of the input's
+  shape: dy's dimensions that are whole in the slice keep their split in the
+  output; the others are gathered first. Linear in dy."""
+  dy = ctx.in_specs[4]
+  begin, end, strides = _const_int(ctx, 1), _const_int(ctx, 2), _const_int(ctx, 3)
+  if ctx.in_shape(1)[0] is None:
+    return fallback(ctx, "the number of slice bounds is unknown")
+  entries = _strided_entries(ctx.node.attr, ctx.in_shape(1)[0], ctx.out_shape(),
+                             begin, end, strides)
+  dy_dims, out_dims = list(dy.dims), [None] * ctx.out_rank()
+  for d, o, whole, _ in entries:
+    if o is None or dy.dims[o] is None:
+      continue
+    if whole and d is not None:
+      out_dims[d] = dy.dims[o]
+    else:
+      dy_dims[o] = None
+  req = list(ctx.in_specs[:4]) + [Sharding(tuple(dy_dims), dy.partial)]
+  shape_input = _replace_shape_input(0)
+  end_input = _local_end(end, [(o, d, w, i) for d, o, w, i in entries], out_dims, 2)
+
+  def localize(lctx):
+    shape_input(lctx)
+    end_input(lctx)
+  return Decision(req, [Sharding(tuple(out_dims), dy.partial)], localize=localize)
+
+
+@register("Pad", "PadV2", "MirrorPad")
+def pad(ctx):
+  """A split dimension stays split only where it is not padded (like a
+  whole-dimension Slice): padding shifts the blocks, so a padded split
+  dimension is gathered first. Paddings of the other dimensions hold as
+  they are on every device."""
+  spec = ctx.in_specs[0]
+  paddings = _const_int(ctx, 1)
+  if paddings is None:
+    return fallback(ctx, "paddings are not constant")
+  paddings = paddings.reshape(-1, 2)
+  dims = tuple(a if a is not None and not paddings[i].any() else None
+               for i, a in enumerate(spec.dims))
+  partial = spec.partial
+  req = [None, ctx.in_specs[1]]
+  if ctx.node.op == "PadV2":
+    value = ctx.const_inputs[2]
+    # A nonzero pad value would be added once per partial sum.
+    if value is None or np.any(np.asarray(value) != 0):
+      partial = frozenset()
+    req.append(ctx.in_specs[2].without_partial())
+  req[0] = Sharding(dims, partial)
+  return Decision(req, [Sharding(dims, partial)])
 
 
 @register("Tile")

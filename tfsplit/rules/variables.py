@@ -1,4 +1,5 @@
-"""Variable reads and writes, gathers and the optimizer's update ops.
+"""Variable reads and writes, gathers, segment reductions and the
+optimizer's update ops.
 
 A variable's sharding is fixed by the plan (every device holds its shard);
 reads produce it, writes require their value in it, and the fused optimizer
@@ -40,20 +41,33 @@ def _indices_spec(indices, taken):
 
 @register("GatherV2")
 def gather_v2(ctx):
+  """The gathered dimension of params is whole; the indices' dimensions and
+  the other params dimensions stay split. With batch_dims (a per-example
+  gather: the last token of each row), the leading batch dimensions of params
+  and indices are split alike."""
   params, indices = ctx.in_specs[0], ctx.in_specs[1]
   axis_value = ctx.const_inputs[2]
-  batch_dims = ctx.node.attr["batch_dims"].i
-  if axis_value is None or batch_dims:
+  if axis_value is None:
     return Decision([Sharding.replicated(params.rank), Sharding.replicated(indices.rank),
                      ctx.in_specs[2]], [Sharding.replicated(ctx.out_rank())],
-                    fallback="gather axis is not constant or batch_dims != 0")
+                    fallback="gather axis is not constant")
   axis = int(axis_value) % params.rank
+  nb = ctx.node.attr["batch_dims"].i
+  nb = nb + indices.rank if nb < 0 else nb
   p_dims = list(params.dims)
   p_dims[axis] = None
-  indices = _indices_spec(indices, p_dims + list(params.partial))
-  out = p_dims[:axis] + list(indices.dims) + p_dims[axis + 1:]
-  return Decision([Sharding(tuple(p_dims), params.partial), indices, ctx.in_specs[2]],
-                  [Sharding(tuple(out), params.partial)])
+  used = set(params.partial)
+  batch = []
+  for k in range(nb):
+    a = p_dims[k] if p_dims[k] is not None else indices.dims[k]
+    batch.append(None if a in used else a)
+    used.add(a)
+  p_dims = batch + [None if a in used else a for a in p_dims[nb:]]
+  rest = _indices_spec(Sharding(indices.dims[nb:]), p_dims + list(params.partial))
+  i_dims = batch + list(rest.dims)
+  out = p_dims[:axis] + i_dims[nb:] + p_dims[axis + 1:]
+  return Decision([Sharding(tuple(p_dims), params.partial), Sharding(tuple(i_dims)),
+                   ctx.in_specs[2]], [Sharding(tuple(out), params.partial)])
 
 
 @register("ResourceApplyAdam", "ResourceApplyGradientDescent", "ResourceApplyMomentum",
@@ -97,3 +111,17 @@ def unsorted_segment_sum(ctx):
                     [Sharding.replicated(len(out))], fallback="partial and split on one axis")
   return Decision([Sharding(tuple(dims), data.partial), req_ids, ctx.in_specs[2]],
                   [Sharding(out, frozenset(partial))])
+
+
+@register("UnsortedSegmentMax", "UnsortedSegmentMin", "UnsortedSegmentProd",
+          "SegmentSum", "SegmentMean", "SegmentMax", "SegmentMin", "SegmentProd")
+def segment_reduction(ctx):
+  """The data's dimensions past the ids' stay split; the ids' dimensions are
+  gathered (a max of per-shard maxes is no partial sum, and sorted segment
+  ids number the output rows). SegmentSum and SegmentMean are linear."""
+  data = ctx.in_specs[0]
+  r = ctx.rank(1)
+  dims = (None,) * r + tuple(data.dims[r:])
+  partial = data.partial if ctx.node.op in ("SegmentSum", "SegmentMean") else frozenset()
+  req = [Sharding(dims, partial), Sharding.replicated(r)] + list(ctx.in_specs[2:])
+  return Decision(req, [Sharding((None,) + dims[r:], partial)])
