@@ -189,7 +189,8 @@ def test_rewrite_data_parallel_and_microbatches(m, tmp_path, capsys):
     assert slices == {CPU(d): [(d * batch // 2 + j * per, per) for j in range(m)]
                       for d in (0, 1)}, placeholder
   # Gradients: micro-batches summed locally (a running sum per device), then
-  # one all-reduce over the two replicas.
+  # all-reduced over the two replicas, packed into one bucket per device
+  # (besides the loss's own all-reduce).
   sums = collections.Counter(n.device for n in graph_def.node
                              if n.op == "AddV2" and "/sum_mb/" in n.name)
   reduces = [n for n in graph_def.node if n.op == "CollectiveReduceV2"]
@@ -200,8 +201,10 @@ def test_rewrite_data_parallel_and_microbatches(m, tmp_path, capsys):
     count = int(re.search(r"(\d+) micro-batch sums", stdout).group(1))
     assert count >= n_params
     assert sums == {CPU(0): count * (m - 1), CPU(1): count * (m - 1)}
-  assert len(reduces) >= 2 * n_params
-  assert {n.device for n in reduces} == {CPU(0), CPU(1)}
+  assert collections.Counter(n.device for n in reduces) == {CPU(0): 2, CPU(1): 2}
+  packed = re.search(r"gradient buckets: (\d+) all-reduces over dp packed into 1 bucket",
+                     stdout)
+  assert packed and int(packed.group(1)) >= n_params, stdout
   if m == 1:  # dp=2 with 2 micro-batches is verified by test_cli_split
     _verify_ok(GPT, out, capsys)
 

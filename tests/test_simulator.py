@@ -136,7 +136,7 @@ CASES = [(2, 1), (2, 4), (4, 2), (4, 4), (4, 8), (4, 16), (8, 3), (8, 8),
          (8, 32), (5, 7), (1, 4)]
 
 
-@pytest.mark.parametrize("schedule", pipeline_sim.SCHEDULES)
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("stages,microbatches", CASES)
 @pytest.mark.parametrize("fwd,bwd", [(1.0, 2.0), (1.0, 1.0), (3.0, 1.0)])
 def test_bubble_and_peak_activations_match_theory(schedule, stages,
@@ -175,7 +175,7 @@ def test_p2p_links_add_communication():
 
 def test_pipeline_rejects_bad_requests():
   with pytest.raises(PlanError, match="schedule"):
-    pipeline_sim.simulate_pipeline(4, 8, "interleaved")
+    pipeline_sim.simulate_pipeline(4, 8, "zigzag")
   with pytest.raises(PlanError, match="stages"):
     pipeline_sim.simulate_pipeline(0, 8)
 

@@ -7,6 +7,7 @@ measured in the same run. Then repeats on 4x and 16x graphs (disjoint copies
 of the step, renamed) to show how both scale.
 
     python tools/bench_ir.py [--model gpt_raw] [--size large] [--scales 1,4,16]
+        [--nograppler]
 """
 import os
 import tempfile
@@ -25,6 +26,8 @@ define_example_flags("large")
 flags.DEFINE_string("scales", "1,4,16", "Graph size multiples to time.")
 flags.DEFINE_integer("repeats", 3, "Best of this many runs per measurement.")
 flags.DEFINE_boolean("layers", True, "Also time layer detection (inspect).")
+flags.DEFINE_boolean("grappler", True, "Time Grappler's OptimizeGraph at each scale (the "
+                     "ratio column; superlinear: minutes at 16x the large graph).")
 
 
 def _replicate(graph_def, copies):
@@ -109,8 +112,10 @@ def main(_):
       runs = [_ir_pipeline(path, out_path, FLAGS.layers) for _ in range(FLAGS.repeats)]
       times = {k: min(r[k] for r in runs) for k in runs[0]}
       ir_total = sum(v for k, v in times.items() if k != "layers")
-      grappler, _ = best_of(lambda g=graph_def: grappler_lib.optimize(g), FLAGS.repeats)
-      rows.append((scale, len(graph_def.node), ir_total, grappler))
+      grappler = float("nan")
+      if FLAGS.grappler:
+        grappler, _ = best_of(lambda g=graph_def: grappler_lib.optimize(g), FLAGS.repeats)
+      rows.append((scale, len(graph_def.node), ir_total, grappler, times))
       print(f"{scale:>5} {len(graph_def.node):>8} {times['load']:>7.3f} "
             f"{times['index']:>7.3f} {times['shapes']:>7.3f} {times['order']:>7.3f} "
             f"{times['save']:>7.3f} {ir_total:>9.3f} {grappler:>9.3f} "
@@ -118,10 +123,11 @@ def main(_):
   print()
   print("ratio = IR total (load+index+shapes+order+save) / Grappler OptimizeGraph")
   if len(rows) > 1:
-    s0, n0, ir0, g0 = rows[0]
-    for s, n, ir, g in rows[1:]:
+    s0, n0, ir0, g0, t0 = rows[0]
+    for s, n, ir, g, t in rows[1:]:
+      phases = ", ".join(f"{k} x{t[k] / t0[k]:.1f}" for k in t if t0[k] > 0)
       print(f"scaling {s0}x -> {s}x ({n / n0:.0f}x nodes): IR time x{ir / ir0:.1f}, "
-            f"Grappler time x{g / g0:.1f}")
+            f"Grappler time x{g / g0:.1f}; {phases}")
 
 
 if __name__ == "__main__":

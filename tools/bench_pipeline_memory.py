@@ -1,4 +1,5 @@
-"""Benchmark: per-stage activation memory of a pipelined step, gpipe vs 1f1b.
+"""Benchmark: per-stage activation memory and bubble of a pipelined step,
+gpipe vs 1f1b vs interleaved 1F1B (--virtual_stages model chunks per stage).
 
 Splits the example's training step into S pipeline stages (`pp=S`) over m
 micro-batches and runs it with one stage per worker process: S TF gRPC
@@ -19,7 +20,13 @@ unit_i = (gpipe_i - ref_i) / (m - 1) (gpipe keeps all m alive), and a
 schedule holds 1 + (act_i - ref_i) / unit_i micro-batches.
 
 A traced step gives each stage's forward/backward block order (step stats),
-checked against the schedule's order. With --explain (default) every worker
+checked against the schedule's order (blocks of the interleaved schedule
+carry their chunk), and the measured bubble: per stage, the share of the
+traced step (first op to last op over all stages) in which none of its ops
+runs, the median over --trace_steps traced steps; theory on uniform stages
+is (S - 1) / (m + S - 1), (S - 1) / (v m + S - 1) interleaved. With fewer
+CPU cores than stages the workers share cores, so ops run slower while more
+stages are busy: the measured bubbles then compare schedules, not hardware. With --explain (default) every worker
 also profiles one step, and the allocator events give what is alive at the
 stage's peak: bytes per forward/backward block of each micro-batch (so the
 micro-batches whose activations are alive are counted directly), requested
@@ -40,9 +47,9 @@ server itself listens on 0.0.0.0:port; it has no bind-address option). Each
 worker exits on "quit" or when its stdin closes; the client kills any still
 running after a bounded wait.
 
-    python tools/bench_pipeline_memory.py [--model gpt_raw] [--size small]
-        [--batch 256] [--stages 4] [--microbatches 8] [--steps 5]
-        [--explain_top 20]
+    python tools/bench_pipeline_memory.py [--model causallm_keras3,llama_keras3]
+        [--size small] [--batch 256] [--stages 4] [--microbatches 8] [--steps 5]
+        [--schedules gpipe,1f1b,interleaved] [--virtual_stages 2] [--explain_top 20]
 """
 import json
 import os
@@ -64,12 +71,17 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from benchlib import allocator_events, define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
-define_example_flags("small")
+define_example_flags("small", "examples/models names, comma-separated")
+FLAGS.set_default("model", "causallm_keras3,llama_keras3")
 flags.DEFINE_integer("batch", 256, "Batch size (divisible by --microbatches).", lower_bound=1)
 flags.DEFINE_integer("stages", 4, "Pipeline stages S (one worker process each).",
                      lower_bound=1)
 flags.DEFINE_integer("microbatches", 8, "Micro-batches m.", lower_bound=1)
-flags.DEFINE_list("schedules", ["gpipe", "1f1b"], "Schedules to compare.")
+flags.DEFINE_list("schedules", ["gpipe", "1f1b", "interleaved"], "Schedules to compare.")
+flags.DEFINE_integer("virtual_stages", 2, "Model chunks per stage of the interleaved "
+                     "schedule.", lower_bound=2)
+flags.DEFINE_integer("trace_steps", 3, "Traced steps per schedule (block order, "
+                     "measured bubble: median).", lower_bound=1)
 flags.DEFINE_integer("steps", 5, "Measured steps per schedule (median).", lower_bound=1)
 flags.DEFINE_integer("warmup", 1, "Unmeasured steps first.", lower_bound=0)
 flags.DEFINE_integer("inter_op_threads", 1, "Inter-op threads of each worker.",
@@ -257,6 +269,7 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.builder import read_records  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   stages = FLAGS.stages
@@ -266,8 +279,9 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
   try:
     devices = [f"/job:worker/replica:0/task:{s}/device:CPU:0" for s in range(stages)]
     mesh = Mesh({"pp": stages}, devices)
+    chunks = FLAGS.virtual_stages if schedule == "interleaved" else 1
     result = split_graph(graph_def, mesh, microbatches=microbatches, schedule=schedule,
-                         timeout_seconds=FLAGS.timeout)
+                         timeout_seconds=FLAGS.timeout, virtual_stages=chunks)
     values = session_lib.seeded_values(result.graph_def, result.manifest)
     runner = session_lib.SessionRunner(
         result.graph_def, values, target=f"grpc://{_HOST}:{workers.ports[0]}",
@@ -277,10 +291,12 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
     for _ in range(FLAGS.warmup):
       out, _ = runner.run(inputs)
       first = float(out[0]) if first is None else first
-    acts, bases, peaks = [], [], []
+    acts, bases, peaks, times = [], [], [], []
     for _ in range(FLAGS.steps):
       base = workers.command("reset")
+      t1 = time.perf_counter()
       out, _ = runner.run(inputs)
+      times.append(time.perf_counter() - t1)
       first = float(out[0]) if first is None else first
       peak = workers.command("peak")
       bases.append([b["current"] for b in base])
@@ -290,16 +306,22 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
     stats = {s: {"act": med(acts, s), "base": med(bases, s), "peak": med(peaks, s),
                  "lo": min(r[s] for r in acts), "hi": max(r[s] for r in acts)}
              for s in range(stages)}
-    orders = None
+    orders = bubble = None
     if FLAGS.trace:
-      _, metadata = runner.run(inputs, trace=True)
       roles = detect_layers(Graph(graph_def)).block_roles()
-      blocks = session_lib.microbatch_blocks(
-          session_lib.op_events(metadata), roles, mesh.with_microbatches(microbatches),
-          result.graph_def)
-      want = get_schedule(schedule)
-      orders = {s: ([b[0] for b in blocks.get(s, [])],
-                    want.order(s, stages, microbatches)) for s in range(stages)}
+      want = get_schedule(schedule, chunks)
+      bubbles = []
+      for i in range(FLAGS.trace_steps):
+        _, metadata = runner.run(inputs, trace=True)
+        events = session_lib.op_events(metadata)
+        bubbles.append(_stage_bubbles(events, devices))
+        if i == 0:
+          blocks = session_lib.microbatch_blocks(
+              events, roles, mesh.with_microbatches(microbatches), result.graph_def,
+              chunk_of=result.stage_of if chunks > 1 else None)
+          orders = {s: ([b[0] for b in blocks.get(s, [])],
+                        want.order(s, stages, microbatches)) for s in range(stages)}
+      bubble = [statistics.median(b[s] for b in bubbles) for s in range(stages)]
     explained = None
     if FLAGS.explain:
       dirs = [os.path.join(logdir, f"profile_{schedule}_{microbatches}_{s}")
@@ -311,12 +333,15 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
       finally:
         workers.command("endprofile")
       roles = detect_layers(Graph(graph_def)).block_roles()
-      explained = [_explain_stage(d, s, roles, mesh.with_microbatches(microbatches))
+      records = read_records(result.graph_def)
+      explained = [_explain_stage(d, s, roles, mesh.with_microbatches(microbatches),
+                                  records)
                    for s, d in enumerate(dirs)]
     print(f"[{label}] {len(result.graph_def.node)} nodes, loss {first:.6f}, "
           f"{time.time() - t0:.1f}s", flush=True)
     return {"stats": stats, "loss": first, "partition": result.partition,
-            "orders": orders, "explained": explained}
+            "orders": orders, "explained": explained, "bubble": bubble,
+            "step": statistics.median(times), "chunks": chunks}
   finally:
     if runner is not None:
       runner.session.close()
@@ -324,7 +349,29 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
 
 
 
-def _explain_stage(logdir, stage, roles, mesh):
+def _stage_bubbles(events, devices):
+  """Per stage: the share of the step (first to last op over all stages) in
+  which none of its ops runs."""
+  if not events:
+    return [float("nan")] * len(devices)
+  lo, hi = min(e[2] for e in events), max(e[3] for e in events)
+  index = {d: i for i, d in enumerate(devices)}
+  spans = [[] for _ in devices]
+  for device, _, start, end in events:
+    if device in index:
+      spans[index[device]].append((start, end))
+  out = []
+  for intervals in spans:
+    busy, reach = 0, lo
+    for start, end in sorted(intervals):
+      if end > reach:
+        busy += end - max(start, reach)
+        reach = end
+    out.append(1 - busy / (hi - lo) if hi > lo else 0.0)
+  return out
+
+
+def _explain_stage(logdir, stage, roles, mesh, records):
   """What is alive at the peak of one profiled step on one worker (`stage`).
 
   Returns a dict: peak bytes in use, the op running at the peak, bytes
@@ -335,7 +382,6 @@ def _explain_stage(logdir, stage, roles, mesh):
   Allocated bytes are BFC chunk sizes: a chunk less than twice the request is
   not split, so a buffer may hold up to twice what its op asked for.
   """
-  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
   events = allocator_events(logdir)
   if not events:
     return None
@@ -353,7 +399,8 @@ def _explain_stage(logdir, stage, roles, mesh):
       live.pop(st.get("addr"), None)
   groups, foreign = {}, 0
   for size, requested, op, _ in live.values():
-    origin = session_lib.local_node_origin(op.split(":")[0])
+    record = records.get(op.split(":")[0])  # the split's record of the op
+    origin = (record.source, record.device_id) if record else None
     key = ("other", -1)
     if origin is not None and origin[1] < mesh.size:
       if "pp" in mesh.axes and mesh.coord(origin[1], "pp") != stage:
@@ -402,50 +449,62 @@ def _print_explained(label, explained):
 
 
 def _order_text(seq):
-  return " ".join(f"{k}{j}" for k, j in seq)
+  """'F0 B0', or 'F0.1 B0.1' (micro-batch.chunk) for interleaved blocks."""
+  return " ".join(f"{b[0]}{b[1]}" + (f".{b[2]}" if len(b) > 2 else "") for b in seq)
 
 
-def main(argv):
-  del argv
-  if FLAGS.worker >= 0:
-    _worker_main(FLAGS.worker, [int(p) for p in FLAGS.ports])
-    return
+def _theory_bubble(schedule, stages, m):
+  v = FLAGS.virtual_stages if schedule == "interleaved" else 1
+  return (stages - 1) / (v * m + stages - 1)
+
+
+def _theory_held(schedule, stage, stages, m):
+  """Micro-batches' activations stage `stage` holds at its peak, on uniform
+  stages (interleaved: chunk activations / v)."""
+  if schedule == "gpipe":
+    return m
+  if schedule == "interleaved":
+    v = FLAGS.virtual_stages
+    return min(2 * (stages - stage - 1) + (v - 1) * stages + 1, v * m) / v
+  return min(stages - stage, m)
+
+
+def _bench_model(model):
+  """Runs every schedule (and the m = 1 reference) on `model`; prints its
+  tables; returns its summary rows."""
   import models  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
 
   s_count, m = FLAGS.stages, FLAGS.microbatches
-  if FLAGS.batch % m:
-    raise app.UsageError(f"--batch {FLAGS.batch} is not divisible by --microbatches {m}")
 
   def graph_for(batch):
-    ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=batch)
+    ex = models.build(model, size=FLAGS.size, seed=0, batch_size=batch)
     names = list(zip(ex.all_variables(), ex.variable_names()))
     return ex, load_graph(ex.concrete("train"), variable_names=names)
 
   ex, graph_def = graph_for(FLAGS.batch)
-  print(f"{FLAGS.model}/{FLAGS.size} batch {FLAGS.batch}, S={s_count} stages (one "
+  print(f"{model}/{FLAGS.size} batch {FLAGS.batch}, S={s_count} stages (one "
         f"worker process each, loopback gRPC), m={m}; {FLAGS.inter_op_threads} "
         f"inter-op thread(s) per worker; median of {FLAGS.steps} steps after "
         f"{FLAGS.warmup} warm-up", flush=True)
   runs = {}
   with tempfile.TemporaryDirectory(prefix="bench_pipeline_memory_") as logdir:
     for schedule in FLAGS.schedules:
-      runs[schedule] = _measure(schedule, ex, graph_def, schedule, m, logdir)
+      runs[schedule] = _measure(f"{model} {schedule}", ex, graph_def, schedule, m, logdir)
     ref = None
     if FLAGS.reference and m > 1:
       ref_ex, ref_graph = graph_for(FLAGS.batch // m)
-      ref = _measure(f"reference m=1 batch {FLAGS.batch // m}", ref_ex, ref_graph,
-                     FLAGS.schedules[-1], 1, logdir)
+      ref = _measure(f"{model} reference m=1 batch {FLAGS.batch // m}", ref_ex, ref_graph,
+                     "gpipe", 1, logdir)
 
   names = list(runs)
-  partition = runs[names[0]]["partition"]
   gp, ob = runs.get("gpipe"), runs.get("1f1b")
   explained = FLAGS.explain and all(runs[n]["explained"] for n in names)
   print()
-  header = f"{'stage':>5} {'layers':<20} {'base MiB':>8}"
+  header = f"{'stage':>5} {'layers':<28} {'base MiB':>8}"
   header += "".join(f" {n + ' MiB':>10}" for n in names)
-  if gp and ob:
-    header += f" {'1f1b/gpipe':>10} {'theory':>6}"
+  if gp:
+    header += "".join(f" {n + '/gpipe':>10} {'theory':>6}" for n in names if n != "gpipe")
   if ref and gp:
     header += f" {'m=1 MiB':>8} {'1 mb MiB':>8}"
     header += "".join(f" {n + ' held':>10}" for n in names)
@@ -455,12 +514,17 @@ def main(argv):
   print(header)
   print("-" * len(header))
   for s in range(s_count):
-    layers = ",".join(l.split("/")[-1] for l in partition[s])
-    row = f"{s:>5} {layers:<20} {runs[names[0]]['stats'][s]['base'] / _MIB:>8.2f}"
+    # The layers of every chunk on the stage ('|' between chunks).
+    partition = runs[names[0]]["partition"]
+    layers = "|".join(",".join(l.split("/")[-1] for l in partition[c])
+                      for c in range(s, len(partition), s_count))
+    row = f"{s:>5} {layers:<28} {runs[names[0]]['stats'][s]['base'] / _MIB:>8.2f}"
     row += "".join(f" {runs[n]['stats'][s]['act'] / _MIB:>10.2f}" for n in names)
-    if gp and ob:
-      ratio = ob["stats"][s]["act"] / gp["stats"][s]["act"]
-      row += f" {ratio:>10.3f} {min(s_count - s, m) / m:>6.3f}"
+    if gp:
+      for n in names:
+        if n != "gpipe":
+          ratio = runs[n]["stats"][s]["act"] / gp["stats"][s]["act"]
+          row += f" {ratio:>10.3f} {_theory_held(n, s, s_count, m) / m:>6.3f}"
     if ref and gp:
       r = ref["stats"][s]["act"]
       unit = (gp["stats"][s]["act"] - r) / (m - 1)
@@ -496,25 +560,73 @@ def main(argv):
   print()
   print("base = allocator bytes in use on the stage's worker after reset_memory_stats "
         "(variables, optimizer slots); act = peak - base over one step (activations, "
-        "gradient accumulators, received tensors); theory = min(S - i, m) / m; "
+        "gradient accumulators, received tensors); theory = micro-batches held on "
+        "uniform stages / m (1f1b min(S - i, m), interleaved "
+        "min(2 (S - i - 1) + (v - 1) S + 1, v m) chunks / v); "
         "1 mb = one micro-batch's activations on the stage = (gpipe - m=1) / (m - 1); "
         "held = 1 + (act - m=1) / (1 mb), from allocator totals (BFC chunk sizes, "
         "so it includes internal fragmentation); live = micro-batches whose forward "
         "activations are alive at the stage's peak (profiled step); bound = "
         "min(S - i, m) for 1f1b")
+  tag = f"[{model} {FLAGS.size} b={FLAGS.batch} S={s_count} m={m}]"
   if gp and ob:
     ratio = ob["stats"][0]["act"] / gp["stats"][0]["act"]
     verdict = "PASS" if ratio <= FLAGS.target else "FAIL"
-    print(f"[{FLAGS.model} {FLAGS.size} b={FLAGS.batch} S={s_count} m={m}] stage 0 "
-          f"activation memory 1f1b/gpipe: {ratio:.3f} (target <= {FLAGS.target}, theory "
-          f"{min(s_count, m) / m:.3f}): {verdict}")
+    print(f"{tag} stage 0 activation memory 1f1b/gpipe: {ratio:.3f} (target <= "
+          f"{FLAGS.target}, theory {min(s_count, m) / m:.3f}): {verdict}")
   if ob and explained:
     live = [len(ob["explained"][s]["alive"]) for s in range(s_count)]
     bound = [min(s_count - s, m) for s in range(s_count)]
     verdict = "PASS" if all(l <= b for l, b in zip(live, bound)) else "FAIL"
-    print(f"[{FLAGS.model} {FLAGS.size} b={FLAGS.batch} S={s_count} m={m}] 1f1b "
-          f"micro-batches alive per stage at its peak: {live} (bound min(S - i, m) = "
-          f"{bound}): {verdict}")
+    print(f"{tag} 1f1b micro-batches alive per stage at its peak: {live} (bound "
+          f"min(S - i, m) = {bound}): {verdict}")
+  rows = []
+  for n in names:
+    run = runs[n]
+    bubble = run["bubble"]
+    rows.append({
+        "model": model, "schedule": n, "v": run["chunks"], "step_ms": run["step"] * 1e3,
+        "bubble": sum(bubble) / len(bubble) if bubble else float("nan"),
+        "theory": _theory_bubble(n, s_count, m),
+        "act0": run["stats"][0]["act"],
+        "act0_gpipe": run["stats"][0]["act"] / gp["stats"][0]["act"] if gp else
+                      float("nan"),
+        "held0_theory": _theory_held(n, 0, s_count, m) / m,
+        "order_ok": all(g == w for g, w in run["orders"].values()) if run["orders"]
+                    else None})
+  return rows
+
+
+def main(argv):
+  del argv
+  if FLAGS.worker >= 0:
+    _worker_main(FLAGS.worker, [int(p) for p in FLAGS.ports])
+    return
+  m = FLAGS.microbatches
+  if FLAGS.batch % m:
+    raise app.UsageError(f"--batch {FLAGS.batch} is not divisible by --microbatches {m}")
+  if "interleaved" in FLAGS.schedules and m % FLAGS.stages:
+    raise app.UsageError(f"the interleaved schedule needs --microbatches {m} to be a "
+                         f"multiple of --stages {FLAGS.stages}")
+  rows = []
+  for model in FLAGS.model.split(","):
+    rows += _bench_model(model.strip())
+    print()
+  print(f"summary: S={FLAGS.stages} m={m} batch {FLAGS.batch} ({FLAGS.size}); bubble = "
+        "mean over stages of the idle share of the traced step (median of "
+        f"{FLAGS.trace_steps}); theory (S-1)/(vm+S-1); stage-0 act = its activation "
+        "memory (peak - base), / gpipe with its uniform-stage theory")
+  header = (f"{'model':<18} {'schedule':<11} {'v':>2} {'step ms':>9} {'bubble':>7} "
+            f"{'theory':>7} {'stage-0 act MiB':>15} {'/gpipe':>7} {'theory':>7} "
+            f"{'order':>6}")
+  print(header)
+  print("-" * len(header))
+  for r in rows:
+    order = {True: "ok", False: "WRONG", None: "-"}[r["order_ok"]]
+    print(f"{r['model']:<18} {r['schedule']:<11} {r['v']:>2} {r['step_ms']:>9.1f} "
+          f"{100 * r['bubble']:>6.1f}% {100 * r['theory']:>6.1f}% "
+          f"{r['act0'] / _MIB:>15.2f} {r['act0_gpipe']:>7.3f} {r['held0_theory']:>7.3f} "
+          f"{order:>6}")
 
 
 if __name__ == "__main__":

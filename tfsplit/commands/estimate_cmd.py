@@ -31,7 +31,7 @@ _PRESETS = ", ".join(cluster_lib.preset_names())
 _ACTIVATION = ("activations", "layers", "hidden", "seq-len", "heads", "micro-batch",
                "recompute")
 _PIPELINE = ("stages", "microbatches", "schedule", "forward-ms", "backward-ms", "p2p-ms",
-             "activation-size", "trace", "gantt")
+             "activation-size", "trace", "gantt", "virtual-stages")
 _GRAPH = ("cluster", "devices", "calibration", "place-layers", "trace", "gantt")
 
 
@@ -65,7 +65,10 @@ def define_flags(fv):
     flag_values=fv)
   i("stages", 4, "Pipeline stages S.", lower_bound=1, flag_values=fv)
   i("microbatches", 8, "Micro-batches m per step.", lower_bound=1, flag_values=fv)
-  e("schedule", "1f1b", ["1f1b", "gpipe"], "Pipeline schedule.", flag_values=fv)
+  e("schedule", "1f1b", ["1f1b", "gpipe", "interleaved"], "Pipeline schedule.",
+    flag_values=fv)
+  i("virtual-stages", 1, "Model chunks per stage for --schedule interleaved (>= 2; "
+    "--microbatches a multiple of --stages).", lower_bound=1, flag_values=fv)
   f("forward-ms", 1.0, "Forward time of one micro-batch on one stage, ms.",
     lower_bound=0.0, flag_values=fv)
   f("backward-ms", 2.0, "Backward time of one micro-batch on one stage, ms.",

@@ -24,10 +24,17 @@ def define_flags(fv):
                        flag_values=fv)
   flags.DEFINE_integer("stages", 1, "Pipeline stages (adds a pp axis in front of "
                        "--mesh); layers are balanced by FLOPs.", flag_values=fv)
-  flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe"], "Pipeline schedule.",
-                    flag_values=fv)
+  flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe", "interleaved"],
+                    "Pipeline schedule (interleaved: Megatron's interleaved 1F1B over "
+                    "--virtual-stages model chunks per stage).", flag_values=fv)
+  flags.DEFINE_integer("virtual-stages", 1, "Model chunks per pipeline stage for "
+                       "--schedule interleaved (>= 2; --microbatches a multiple of "
+                       "--stages); the layers are cut into stages x virtual-stages "
+                       "chunks, chunk c on stage c % stages.", lower_bound=1,
+                       flag_values=fv)
   flags.DEFINE_string("layers", None, "Explicit stage layer ranges, e.g. '0:3,3:6' "
-                      "(half-open, over the layers with parameters).", flag_values=fv)
+                      "(half-open, over the layers with parameters; one per model chunk "
+                      "with --virtual-stages).", flag_values=fv)
   flags.DEFINE_enum("strategy", "megatron", ["megatron", "none"],
                     "How to choose what to split.", flag_values=fv)
   flags.DEFINE_multi_string("annotate", [], "VARIABLE_GLOB=DIMS, e.g. "
@@ -36,6 +43,10 @@ def define_flags(fv):
   flags.DEFINE_enum("devices", "cpu", ["cpu", "gpu"], "Device type of the mesh.",
                     flag_values=fv)
   flags.DEFINE_string("job", "localhost", "Job name in device strings.", flag_values=fv)
+  flags.DEFINE_float("bucket-mb", 25.0, "Gradient bucket size in MiB: the gradient "
+                     "all-reduces over dp are packed into buckets of at most this size, "
+                     "one collective each; 0 keeps one all-reduce per gradient.",
+                     lower_bound=0.0, flag_values=fv)
   flags.DEFINE_float("collective-timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
   common.define_source(fv, "IN")
@@ -45,6 +56,7 @@ def run(fv, args):
   from tfsplit.passes import rewrite  # pylint: disable=import-outside-toplevel
   lines = rewrite.rewrite_file(args[0], **common.values(
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
-      "microbatches", "schedule", "collective-timeout", "signature", "variables"))
+      "microbatches", "schedule", "collective-timeout", "signature", "variables",
+      "virtual-stages", "bucket-mb"))
   sys.stdout.write("\n".join(lines) + "\n")
   return 0

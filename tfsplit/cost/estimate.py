@@ -19,12 +19,13 @@ def _wrote(written):
 
 def uniform_pipeline(stages, microbatches, schedule="1f1b", forward_ms=1.0,
                      backward_ms=2.0, p2p_ms=0.0, activation_size=None,
-                     trace=None, gantt=None):
+                     trace=None, gantt=None, virtual_stages=1):
   """Simulates `schedule` over `stages` equal stages and `microbatches`
   micro-batches (times of one micro-batch on one stage, in ms).
 
   activation_size: bytes one micro-batch leaves on a stage (e.g. '2GB'), to
-  report peak memory per stage.
+  report peak memory per stage. virtual_stages: model chunks per stage
+  (the interleaved schedule's v).
   """
   if forward_ms <= 0 or backward_ms <= 0:
     raise EstimateError("--forward-ms and --backward-ms must be > 0")
@@ -33,7 +34,9 @@ def uniform_pipeline(stages, microbatches, schedule="1f1b", forward_ms=1.0,
   res = pipeline_sim.simulate_pipeline(
       stages, microbatches, schedule, forward_time=forward_ms / 1e3,
       backward_time=backward_ms / 1e3, p2p_time=p2p_ms / 1e3,
-      activation_bytes=units.parse_bytes(activation_size) if activation_size else 1)
+      activation_bytes=units.parse_bytes(activation_size) if activation_size else
+      virtual_stages,  # one byte per chunk: peak activations are counted
+      chunks=virtual_stages)
   written = output.write_schedule(res.sim, trace, gantt, title=(
       f"{res.schedule}: S={res.stages}, m={res.microbatches}, bubble "
       f"{100 * res.bubble_fraction:.1f}%"))
@@ -43,13 +46,16 @@ def uniform_pipeline(stages, microbatches, schedule="1f1b", forward_ms=1.0,
 
 def pipeline_lines(res, with_memory=False):
   """A PipelineResult as text: step, bubble against theory, one row per stage."""
-  S, m, sim = res.stages, res.microbatches, res.sim
-  bubble = pipeline_sim.theoretical_bubble(S, m)
-  peaks = pipeline_sim.theoretical_peak_activations(res.schedule, S, m)
-  lines = [f"pipeline {res.schedule}: S = {S} stages, m = {m} micro-batches",
+  S, m, v, sim = res.stages, res.microbatches, res.chunks, res.sim
+  bubble = pipeline_sim.theoretical_bubble(S, m, v)
+  peaks = pipeline_sim.theoretical_peak_activations(res.schedule, S, m, v)
+  formula = "(S-1)/(m+S-1)" if v == 1 else "(S-1)/(vm+S-1)"
+  lines = [f"pipeline {res.schedule}: S = {S} stages, m = {m} micro-batches" +
+           (f", v = {v} model chunks per stage (activations counted per chunk)"
+            if v > 1 else ""),
            f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
            f"{100 * res.bubble_fraction:.2f}% (uniform-stage theory "
-           f"(S-1)/(m+S-1) = {100 * bubble:.2f}%); communication "
+           f"{formula} = {100 * bubble:.2f}%); communication "
            f"{sim.comm_time * 1e3:.4g} ms"]
   header = ["stage", "busy ms", "idle ms", "bubble", "peak activations",
             "theory"] + (["peak memory"] if with_memory else [])

@@ -12,31 +12,47 @@ control edges, as the graph pass does:
 
 On uniform stages without communication both have the bubble fraction
 (S - 1) / (m + S - 1); 1f1b only lowers the activation memory.
+
+- interleaved (Megatron-LM's interleaved 1F1B): each stage holds v >= 2
+  model chunks (chunk c on stage c % S, 1/v of a stage's work each). Tasks
+  are per chunk: F(c, j) reads F(c-1, j), B(c, j) reads F(c, j) and
+  B(c+1, j), and each stage runs its chunk tasks in the schedule's order
+  (every task waits for the previous one, as the graph pass orders blocks).
+  The bubble becomes (S - 1) / (v m + S - 1): (S - 1) / (v m) of the ideal
+  step instead of (S - 1) / m; stage s holds at most
+  min(2 (S - s - 1) + (v - 1) S + 1, v m) chunk activations
+  (activation_bytes / v each).
 """
 import dataclasses
 
 from tfsplit.cost.simulator import TaskGraph
 from tfsplit.errors import PlanError
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
-def theoretical_bubble(stages, microbatches):
-  return (stages - 1) / (microbatches + stages - 1)
+def theoretical_bubble(stages, microbatches, chunks=1):
+  """Idle share of the step on uniform stages: (S - 1) / (v m + S - 1)."""
+  return (stages - 1) / (chunks * microbatches + stages - 1)
 
 
-def theoretical_peak_activations(schedule, stages, microbatches):
-  """Live activations per stage: m for gpipe, min(S - s, m) for 1f1b."""
+def theoretical_peak_activations(schedule, stages, microbatches, chunks=1):
+  """Live activations per stage: m for gpipe, min(S - s, m) for 1f1b; chunk
+  activations (1/v of a micro-batch's each) for interleaved."""
   if schedule == "gpipe":
     return [microbatches] * stages
+  if schedule == "interleaved":
+    return [min(2 * (stages - s - 1) + (chunks - 1) * stages + 1, chunks * microbatches)
+            for s in range(stages)]
   return [min(stages - s, microbatches) for s in range(stages)]
 
 
-def stage_order(schedule, stages, microbatches, stage):
-  """The order stage `stage` runs its tasks: [('F' or 'B', micro-batch)] — the
+def stage_order(schedule, stages, microbatches, stage, chunks=1):
+  """The order stage `stage` runs its tasks: [('F' or 'B', micro-batch)]
+  ([('F' or 'B', micro-batch, chunk on the stage)] for interleaved) — the
   same schedule classes that order a real pipelined graph."""
   from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
-  return get_schedule(schedule).order(stage, stages, microbatches)
+  return get_schedule(schedule, chunks).order(stage, stages, microbatches)
 
 
 @dataclasses.dataclass
@@ -47,34 +63,41 @@ class PipelineResult:
   sim: object                 # SimResult
   bubble_fraction: float      # mean idle share of the stages' compute streams
   stage_bubble: list          # idle share per stage
-  peak_activations: list      # live micro-batch activations per stage
+  peak_activations: list      # live activations per stage (micro-batches;
+                              # chunk activations for interleaved)
   peak_memory: list           # bytes per stage, static bytes included
+  chunks: int = 1             # model chunks per stage (interleaved: v)
 
   def summary(self):
     return {
         "schedule": self.schedule, "stages": self.stages,
-        "microbatches": self.microbatches, "step_time": self.sim.step_time,
+        "microbatches": self.microbatches, "virtual_stages": self.chunks,
+        "step_time": self.sim.step_time,
         "bubble_fraction": self.bubble_fraction,
-        "theoretical_bubble_fraction": theoretical_bubble(self.stages,
-                                                          self.microbatches),
+        "theoretical_bubble_fraction": theoretical_bubble(
+            self.stages, self.microbatches, self.chunks),
         "comm_time": self.sim.comm_time,
         "stage_bubble": self.stage_bubble,
         "peak_activations": self.peak_activations,
         "theoretical_peak_activations": theoretical_peak_activations(
-            self.schedule, self.stages, self.microbatches),
+            self.schedule, self.stages, self.microbatches, self.chunks),
         "peak_memory": self.peak_memory,
     }
 
 
 def build_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
                    backward_time=2.0, activation_bytes=1, p2p_time=0.0,
-                   static_bytes=0):
+                   static_bytes=0, chunks=1):
   """The task DAG of one training step; returns (TaskGraph, devices).
 
   `p2p_time` > 0 puts each activation and gradient transfer between
   neighbouring stages on its own link (one per direction per stage pair).
+  chunks: model chunks per stage (the interleaved schedule's v).
   """
-  _check(stages, microbatches, schedule, forward_time, backward_time, p2p_time)
+  _check(stages, microbatches, schedule, forward_time, backward_time, p2p_time, chunks)
+  if schedule == "interleaved":
+    return _build_interleaved(stages, microbatches, chunks, forward_time, backward_time,
+                              activation_bytes, p2p_time, static_bytes)
   S, m = stages, microbatches
   g = TaskGraph()
   devices = [g.add_device(f"stage{s}", static_bytes=static_bytes)
@@ -125,30 +148,99 @@ def build_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
   return g, devices
 
 
+def _build_interleaved(S, m, v, forward_time, backward_time, activation_bytes,
+                       p2p_time, static_bytes):
+  """Tasks per model chunk c (on stage c % S); each stage runs its tasks in
+  the interleaved schedule's order, one after the other."""
+  g = TaskGraph()
+  devices = [g.add_device(f"stage{s}", static_bytes=static_bytes)
+             for s in range(S)]
+  links = {}
+
+  def link(a, b):  # one link per direction per stage pair
+    if (a, b) not in links:
+      links[(a, b)] = g.add_link(f"stage{a}->stage{b}", (devices[a], devices[b]))
+    return links[(a, b)]
+
+  orders = [stage_order("interleaved", S, m, s, v) for s in range(S)]
+  prio = {(kind, k * S + s, j): pos for s in range(S)
+          for pos, (kind, j, k) in enumerate(orders[s])}
+  chunk_alloc = _chunk_bytes(activation_bytes, v)
+  fwd = [[0] * m for _ in range(S * v)]
+  for c in range(S * v):
+    s = c % S
+    for j in range(m):
+      deps = []
+      if c > 0:
+        src = fwd[c - 1][j]
+        if p2p_time:
+          src = g.add_task(f"send F{j} c{c - 1}->c{c}", link((c - 1) % S, s), p2p_time,
+                           deps=[src], kind="comm")
+        deps.append(src)
+      fwd[c][j] = g.add_task(f"F{j}c{c // S}", devices[s], forward_time / v, deps=deps,
+                             kind="forward", alloc=chunk_alloc, priority=prio[("F", c, j)])
+  bwd = [[0] * m for _ in range(S * v)]
+  for c in reversed(range(S * v)):
+    s = c % S
+    for j in range(m):
+      deps = [fwd[c][j]]
+      if c < S * v - 1:
+        src = bwd[c + 1][j]
+        if p2p_time:
+          src = g.add_task(f"send B{j} c{c + 1}->c{c}", link((c + 1) % S, s), p2p_time,
+                           deps=[src], kind="comm")
+        deps.append(src)
+      bwd[c][j] = g.add_task(f"B{j}c{c // S}", devices[s], backward_time / v, deps=deps,
+                             kind="backward", priority=prio[("B", c, j)])
+  task = {"F": fwd, "B": bwd}
+  for s in range(S):
+    seq = [task[kind][k * S + s][j] for kind, j, k in orders[s]]
+    for before, after in zip(seq, seq[1:]):
+      g.add_control_dep(after, before)
+  return g, devices
+
+
+def _chunk_bytes(activation_bytes, chunks):
+  """Bytes one chunk's activations take (at least 1, so they are counted)."""
+  if chunks == 1 or not activation_bytes:
+    return activation_bytes
+  return max(1, activation_bytes // chunks)
+
+
 def simulate_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
                       backward_time=2.0, activation_bytes=1, p2p_time=0.0,
-                      static_bytes=0):
-  """Simulates one step; returns a PipelineResult."""
+                      static_bytes=0, chunks=1):
+  """Simulates one step; returns a PipelineResult.
+
+  chunks: model chunks per stage, v >= 2 for the interleaved schedule (which
+  then counts live chunk activations of activation_bytes / v each).
+  """
   g, devices = build_pipeline(stages, microbatches, schedule, forward_time,
                               backward_time, activation_bytes, p2p_time,
-                              static_bytes)
+                              static_bytes, chunks)
   sim = g.simulate()
   stage_bubble = [sim.idle_fraction(d) for d in devices]
   peak_memory = [sim.peak_memory[d] for d in devices]
-  peak_acts = [(p - static_bytes) // activation_bytes if activation_bytes
-               else 0 for p in peak_memory]
+  unit = _chunk_bytes(activation_bytes, chunks)
+  peak_acts = [(p - static_bytes) // unit if unit else 0 for p in peak_memory]
   return PipelineResult(
       schedule=schedule, stages=stages, microbatches=microbatches, sim=sim,
       bubble_fraction=sum(stage_bubble) / len(stage_bubble),
       stage_bubble=stage_bubble, peak_activations=peak_acts,
-      peak_memory=peak_memory)
+      peak_memory=peak_memory, chunks=chunks)
 
 
 def _check(stages, microbatches, schedule, forward_time, backward_time,
-           p2p_time):
+           p2p_time, chunks=1):
   if schedule not in SCHEDULES:
     raise PlanError(f"unknown pipeline schedule '{schedule}'; choose one of: "
                     f"{', '.join(SCHEDULES)}")
+  if schedule == "interleaved":
+    from tfsplit.pipeline.schedules import Interleaved  # pylint: disable=import-outside-toplevel
+    Interleaved(chunks).check(stages, microbatches)
+  elif chunks != 1:
+    raise PlanError(f"the {schedule} schedule runs one model chunk per stage, got "
+                    f"{chunks}; use the interleaved schedule or chunks=1")
   for name, value in (("stages", stages), ("micro-batches", microbatches)):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
       raise PlanError(f"number of {name} must be a positive integer, got "

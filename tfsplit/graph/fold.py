@@ -12,6 +12,8 @@ import tensorflow as tf
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.protobuf import config_pb2
+from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import tensor_util
 
@@ -22,6 +24,13 @@ _MAX_ELEMENTS = 4096
 _SIZE_UNKNOWN_OK = frozenset(["BroadcastGradientArgs", "Where", "Unique", "Range"])  # never fold anything but small metadata tensors
 _NEVER_FOLD = frozenset(["Placeholder", "PlaceholderWithDefault", "VarHandleOp",
                          "ReadVariableOp", "NoOp", "Const", "Identity", "IdentityN"])
+
+
+# The subgraph is run once: optimizing it first costs more than it saves.
+_EVALUATE_CONFIG = config_pb2.ConfigProto(graph_options=config_pb2.GraphOptions(
+    optimizer_options=config_pb2.OptimizerOptions(
+        opt_level=config_pb2.OptimizerOptions.L0, do_constant_folding=False),
+    rewrite_options=rewriter_config_pb2.RewriterConfig(disable_meta_optimizer=True)))
 
 
 def _const_node(name, value, device=""):
@@ -51,22 +60,33 @@ def fold_static_shapes(graph_def, shapes):
   are small, and whose op is stateless are folded; names are kept, so
   consumers are untouched.
   """
-  graph = Graph(graph_def)
+  return _fold(Graph(graph_def), shapes)[0]
+
+
+def _fold(graph, shapes):
+  """(folded GraphDef, {folded node: [output values]}) of a tfsplit Graph."""
+  graph_def = graph.graph_def
   order = graph.topological_order()
   foldable = set()
+  stateful = {}
   for name in order:
     node = graph.node(name)
-    if node.op in _NEVER_FOLD or _is_stateful(node.op):
+    op = node.op
+    if op in _NEVER_FOLD:
+      continue
+    if op not in stateful:
+      stateful[op] = _is_stateful(op)
+    if stateful[op]:
       continue
     outs = shapes[name] if name in shapes else []
     # Shape arithmetic whose result size is only known at run time (the
     # reduction axes from BroadcastGradientArgs) is small by nature.
-    if not outs or (node.op not in _SIZE_UNKNOWN_OK and any(
+    if not outs or (op not in _SIZE_UNKNOWN_OK and any(
         o.num_elements is None or o.num_elements > _MAX_ELEMENTS for o in outs)):
       continue
-    data = [parse_input(t) for t in node.input if not t.startswith("^")]
-    if node.op in _SHAPE_OPS:
-      if all(shapes.get(f"{s}:{p}") is not None and shapes.get(f"{s}:{p}").fully_defined
+    data = graph.data_inputs(name)
+    if op in _SHAPE_OPS:
+      if all(shapes.tensor(s, p) is not None and shapes.tensor(s, p).fully_defined
              for s, p in data):
         foldable.add(name)
       continue
@@ -76,7 +96,7 @@ def fold_static_shapes(graph_def, shapes):
   targets = [n for n in order if n in foldable and any(
       c.name not in foldable for c in graph.consumer_nodes(n))]
   if not targets:
-    return graph_def
+    return graph_def, {}
   values = _evaluate(graph, targets, foldable, shapes)
   out = graph_pb2.GraphDef()
   out.versions.CopyFrom(graph_def.versions)
@@ -115,7 +135,50 @@ def fold_static_shapes(graph_def, shapes):
       for i, text in enumerate(node.input):
         if text in redirect:
           node.input[i] = redirect[text]
-  return out
+  return out, {name: values[name] for name in targets}
+
+
+def fold_and_expand(graph, shapes):
+  """(GraphDef, known shapes) of what the split's first pass makes of
+  `graph` (a tfsplit Graph): static shape arithmetic folded
+  (fold_static_shapes), then every IdentityN expanded (expand_identity_n).
+
+  The known shapes, {node: [TensorInfo per output]}, are those of `shapes`
+  carried over to the new graph, and the folded constants' own: exact where
+  fully defined, since folding only adds constants (shapes.infer_shapes'
+  `known` completes the rest).
+  """
+  folded, values = _fold(graph, shapes)
+  out, expanded = _expand(folded)
+  known = {}
+  for node in out.node:
+    name = node.name
+    if name in expanded:
+      source, port = expanded[name]
+      if port is None:
+        known[name] = []  # the NoOp that keeps an IdentityN's name
+        continue
+      folded_values = values.get(source)
+      if folded_values is not None:  # an output of a folded ShapeN
+        known[name] = [_value_info(folded_values[port])]
+      elif source in shapes and port < len(shapes[source]):
+        known[name] = [shapes[source][port]]
+      continue
+    if name in values and len(values[name]) == 1:
+      known[name] = [_value_info(values[name][0])]
+    elif name in shapes:
+      known[name] = shapes[name]
+  for name, outs in values.items():
+    if len(outs) > 1:
+      for i, v in enumerate(outs):
+        known[f"{name}/folded_{i}"] = [_value_info(v)]
+  return out, known
+
+
+def _value_info(value):
+  from tfsplit.graph.shapes import TensorInfo  # pylint: disable=import-outside-toplevel
+  return TensorInfo(tf.as_dtype(value.dtype).as_datatype_enum,
+                    tuple(int(d) for d in value.shape))
 
 
 def _evaluate(graph, targets, foldable, shapes):
@@ -166,7 +229,7 @@ def _evaluate(graph, targets, foldable, shapes):
       for name in targets:
         op = tmp.get_operation_by_name(name)
         fetches[name] = list(op.outputs)
-      with tf.compat.v1.Session(graph=tmp) as sess:
+      with tf.compat.v1.Session(graph=tmp, config=_EVALUATE_CONFIG) as sess:
         result = sess.run(fetches)
   except (tf.errors.OpError, ValueError) as e:
     # Shapes that static inference let through but the shape arithmetic
@@ -185,15 +248,18 @@ def expand_identity_n(graph_def):
   them, which splitting cannot afford. Consumers of `n:k` read `n/output_k`;
   a NoOp keeps the name `n` for control edges.
   """
-  graph = Graph(graph_def)
-  targets = [n for n in graph.nodes if n.op == "IdentityN"]
-  if not targets:
-    return graph_def
+  return _expand(graph_def)[0]
+
+
+def _expand(graph_def):
+  """(expanded GraphDef, {new node: (IdentityN, output or None for its NoOp)})."""
+  if not any(n.op == "IdentityN" for n in graph_def.node):
+    return graph_def, {}
   out = graph_pb2.GraphDef()
   out.versions.CopyFrom(graph_def.versions)
   out.library.CopyFrom(graph_def.library)
-  redirect = {}
-  for node in graph.nodes:
+  redirect, made = {}, {}
+  for node in graph_def.node:
     if node.op != "IdentityN":
       out.node.add().CopyFrom(node)
       continue
@@ -208,10 +274,12 @@ def expand_identity_n(graph_def):
       if k == 0:
         redirect[node.name] = ident.name
       outs.append(ident.name)
+      made[ident.name] = (node.name, k)
     out.node.add(name=node.name, op="NoOp", device=node.device,
                  input=["^" + o for o in outs])
+    made[node.name] = (node.name, None)
   for node in out.node:
     for i, text in enumerate(node.input):
       if text in redirect:
         node.input[i] = redirect[text]
-  return out
+  return out, made

@@ -53,6 +53,19 @@ def parse_input(text):
   return text, 0
 
 
+def _parse_data(inputs):
+  """[(name, port)] of the data inputs among input strings `inputs`."""
+  out = []
+  for text in inputs:
+    if text[:1] == "^":
+      continue
+    if ":" in text:
+      out.append(parse_input(text))
+    else:
+      out.append((text, 0))
+  return out
+
+
 def tensor_name(node_name, port=0):
   """The input string for output `port` of `node_name` ('n' for port 0)."""
   return node_name if port == 0 else f"{node_name}:{port}"
@@ -79,16 +92,24 @@ class Graph(object):
     self._graph_def = graph_def
     self.library = graph_def.library
     self.versions = graph_def.versions
-    self._nodes = collections.OrderedDict()
-    for node in graph_def.node:
-      if node.name in self._nodes:
-        raise GraphValidationError(
-            f"node '{node.name}' (op {node.op}) is defined twice; node names "
-            "must be unique in a GraphDef")
-      self._nodes[node.name] = node
-    self._consumers = None  # built lazily: name -> list of (consumer, index)
+    self._nodes = {node.name: node for node in graph_def.node}
+    if len(self._nodes) != len(graph_def.node):
+      seen = set()
+      for node in graph_def.node:
+        if node.name in seen:
+          raise GraphValidationError(
+              f"node '{node.name}' (op {node.op}) is defined twice; node names "
+              "must be unique in a GraphDef")
+        seen.add(node.name)
+    self._invalidate()
     self._used_names = None
-    self._order = None      # cached topological order; edits invalidate it
+
+  def _invalidate(self):
+    """Drops what edits make stale."""
+    self._consumers = None  # built lazily: name -> list of (consumer, index, port)
+    self._data_inputs = None  # built lazily: name -> ((source, port), ...)
+    self._node_list = None
+    self._order = None      # cached topological order
 
   # --- reading ---------------------------------------------------------------
   def __contains__(self, name):
@@ -109,7 +130,9 @@ class Graph(object):
   @property
   def nodes(self):
     """NodeDefs in stable order."""
-    return list(self._nodes.values())
+    if self._node_list is None:
+      self._node_list = list(self._nodes.values())
+    return list(self._node_list)
 
   def node_names(self):
     return list(self._nodes)
@@ -123,12 +146,21 @@ class Graph(object):
   def control_inputs(node):
     return [s[1:] for s in node.input if s.startswith("^")]
 
+  def data_inputs(self, name):
+    """((source_name, port), ...) of the data inputs of node `name`, parsed
+    once per graph (every pass reads them many times)."""
+    if self._data_inputs is None:
+      self._data_inputs = {n: tuple(_parse_data(node.input))
+                           for n, node in self._nodes.items()}
+    return self._data_inputs[name]
+
   def _build_consumers(self):
     consumers = collections.defaultdict(list)
     for node in self._nodes.values():
+      name = node.name
       for index, text in enumerate(node.input):
-        src, _ = parse_input(text)
-        consumers[src].append((node.name, index))
+        src, port = parse_input(text)
+        consumers[src].append((name, index, port))
     self._consumers = consumers
 
   def consumers(self, name, port=None):
@@ -139,20 +171,23 @@ class Graph(object):
     """
     if self._consumers is None:
       self._build_consumers()
-    result = []
-    for consumer, index in self._consumers.get(name, ()):
-      if port is None:
-        result.append((consumer, index))
-        continue
-      _, p = parse_input(self._nodes[consumer].input[index])
-      if p == port:
-        result.append((consumer, index))
-    return result
+    found = self._consumers.get(name, ())
+    if port is None:
+      return [(consumer, index) for consumer, index, _ in found]
+    return [(consumer, index) for consumer, index, p in found if p == port]
+
+  def has_consumers(self, name):
+    """Whether any node reads `name` (data or control)."""
+    if self._consumers is None:
+      self._build_consumers()
+    return bool(self._consumers.get(name))
 
   def consumer_nodes(self, name):
     """Distinct consumer NodeDefs of `name` (data or control), stable order."""
-    seen = collections.OrderedDict()
-    for consumer, _ in self.consumers(name):
+    if self._consumers is None:
+      self._build_consumers()
+    seen = {}
+    for consumer, _, _ in self._consumers.get(name, ()):
       seen[consumer] = None
     return [self._nodes[c] for c in seen]
 
@@ -169,12 +204,18 @@ class Graph(object):
   def data_ancestors(self, roots):
     """Names of `roots` and every node they read data from, transitively."""
     seen, stack = set(), list(roots)
+    for name in stack:  # raises for a missing node, as node() does
+      self.node(name)
     while stack:
       name = stack.pop()
       if name in seen:
         continue
       seen.add(name)
-      stack.extend(src for src, _ in Graph.inputs(self.node(name)) if src not in seen)
+      for src, _ in self.data_inputs(name):
+        if src not in seen:
+          if src not in self._nodes:
+            self.node(src)
+          stack.append(src)
     return seen
 
   def topological_order(self):
@@ -190,42 +231,56 @@ class Graph(object):
 
   @without_gc
   def _compute_order(self):
-    order_index = {name: i for i, name in enumerate(self._nodes)}
-    pending = {}
-    children = collections.defaultdict(list)
-    for name, node in self._nodes.items():
+    nodes = self._nodes
+    names = list(nodes)
+    index = {name: i for i, name in enumerate(names)}
+    loop_back = {i for i, node in enumerate(nodes.values()) if node.op in _LOOP_BACK_OPS}
+    pending = [0] * len(names)
+    children = [[] for _ in names]
+    in_order = True
+    for i, node in enumerate(nodes.values()):
       count = 0
       for text in node.input:
-        src, _ = parse_input(text)
-        if src not in self._nodes:
+        if text[:1] == "^":
+          src = text[1:]
+        elif ":" in text:
+          src = parse_input(text)[0]
+        else:
+          src = text
+        j = index.get(src)
+        if j is None:
           raise GraphValidationError(
-              f"node '{name}' (op {node.op}) reads '{text}', but no node "
+              f"node '{names[i]}' (op {node.op}) reads '{text}', but no node "
               f"'{src}' exists; the graph is incomplete or was cut badly")
-        if self._nodes[src].op in _LOOP_BACK_OPS:
+        if j in loop_back:
           continue
-        children[src].append(name)
+        if j >= i:
+          in_order = False
+        children[j].append(i)
         count += 1
-      pending[name] = count
+      pending[i] = count
+    if in_order:
+      # Every input comes earlier already: the order below would be this one.
+      return names
     import heapq  # pylint: disable=import-outside-toplevel
-    ready = [order_index[n] for n, c in pending.items() if c == 0]
-    heapq.heapify(ready)
-    names = list(self._nodes)
+    ready = [i for i, c in enumerate(pending) if c == 0]  # sorted: a valid heap
     order = []
+    pop, push = heapq.heappop, heapq.heappush
     while ready:
-      name = names[heapq.heappop(ready)]
-      order.append(name)
-      for child in children.get(name, ()):
+      i = pop(ready)
+      order.append(i)
+      for child in children[i]:
         pending[child] -= 1
         if pending[child] == 0:
-          heapq.heappush(ready, order_index[child])
+          push(ready, child)
     if len(order) != len(names):
-      stuck = [n for n in names if pending[n] > 0]
+      stuck = [n for i, n in enumerate(names) if pending[i] > 0]
       cycle = self._find_cycle(set(stuck))
       raise GraphValidationError(
           f"the graph has a cycle through node '{cycle[0]}' (op "
           f"{self._nodes[cycle[0]].op}): {' -> '.join(cycle)}; a GraphDef "
           "must be acyclic (except TF1 while loops through NextIteration)")
-    return order
+    return [names[i] for i in order]
 
   def _find_cycle(self, stuck):
     """A cycle among `stuck` nodes, as a list of names (for error messages)."""
@@ -256,6 +311,7 @@ class Graph(object):
     if name in self._nodes:
       raise GraphValidationError(f"cannot add node '{name}' (op {op}): the name is taken")
     self._order = None
+    self._node_list = None
     node = self._graph_def.node.add()
     node.name = name
     node.op = op
@@ -269,7 +325,10 @@ class Graph(object):
       self._used_names.add(name)
     if self._consumers is not None:
       for index, text in enumerate(node.input):
-        self._consumers[parse_input(text)[0]].append((name, index))
+        src, port = parse_input(text)
+        self._consumers[src].append((name, index, port))
+    if self._data_inputs is not None:
+      self._data_inputs[name] = tuple(_parse_data(node.input))
     return node
 
   def add_node_def(self, node_def):
@@ -281,36 +340,32 @@ class Graph(object):
     return node
 
   def set_inputs(self, name, inputs):
-    self._order = None
     node = self._nodes[name]
     del node.input[:]
     node.input.extend(inputs)
-    self._consumers = None
+    self._invalidate()
 
   def replace_input(self, name, index, new_text):
-    self._order = None
     self._nodes[name].input[index] = new_text
-    self._consumers = None
+    self._invalidate()
 
   def rewire(self, old_tensor, new_tensor, exclude=()):
     """Makes every data consumer of `old_tensor` (but `exclude`) read `new_tensor`."""
-    self._order = None
     src, port = parse_input(old_tensor)
     for consumer, index in self.consumers(src, port):
       if consumer not in exclude:
         self._nodes[consumer].input[index] = new_tensor
-    self._consumers = None
+    self._invalidate()
 
   def remove_nodes(self, names):
     """Removes nodes; callers must have rewired their consumers first."""
     names = set(names)
-    self._order = None
     keep = [n for n in self._graph_def.node if n.name not in names]
     del self._graph_def.node[:]
     self._graph_def.node.extend(keep)
     # extend() copies; re-point the index at the protos now held by the graph.
-    self._nodes = collections.OrderedDict((n.name, n) for n in self._graph_def.node)
-    self._consumers = None
+    self._nodes = {n.name: n for n in self._graph_def.node}
+    self._invalidate()
 
   def to_graph_def(self):
     """A new GraphDef: nodes in stable order, library and versions kept."""

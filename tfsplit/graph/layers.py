@@ -203,7 +203,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   constant = set()
   for name in order:
     node = graph.node(name)
-    data_in = [src for src, _ in Graph.inputs(node)]
+    data_in = [src for src, _ in graph.data_inputs(name)]
     if name not in role and (node.op == "Const" or data_in and all(
         s in constant for s in data_in)) and not node.input[len(data_in):]:
       constant.add(name)
@@ -211,7 +211,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     if name in role:
       continue
     node = graph.node(name)
-    data_in = [src for src, _ in Graph.inputs(node)]
+    data_in = [src for src, _ in graph.data_inputs(name)]
     if name in forward_set and not any(role.get(s) == BACKWARD for s in data_in):
       role[name] = FORWARD
     elif data_in and not _is_write(node) and node.op != "IdentityN" and any(
@@ -295,7 +295,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     key = layer_key(name)
     if key not in layers:
       # Unscoped gradient op (e.g. a top-level AddN): layer of its inputs.
-      keys = [layer_of.get(s) for s, _ in Graph.inputs(graph.node(name))
+      keys = [layer_of.get(s) for s, _ in graph.data_inputs(name)
               if role.get(s) == BACKWARD and s in layer_of]
       key = keys[0] if keys else TOP_LAYER
     get_layer(key)
@@ -338,7 +338,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       if name in seen:
         continue
       seen.add(name)
-      for src, _ in Graph.inputs(graph.node(name)):
+      for src, _ in graph.data_inputs(name):
         if src in var_nodes:
           found.add(src)
         elif role.get(src) == UPDATE:
@@ -432,7 +432,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     layer.block = layer.name in blocks
   depends = set()
   for name in order:
-    if name in var_nodes or any(src in depends for src, _ in Graph.inputs(graph.node(name))):
+    if name in var_nodes or any(src in depends for src, _ in graph.data_inputs(name)):
       depends.add(name)
   variable_free = frozenset(order) - depends
   return LayerReport(ordered, role, layer_of, variable_layer, depth, dict(readers),

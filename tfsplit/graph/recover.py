@@ -249,15 +249,13 @@ class _Inference(object):
       self._copy, self._hint_nodes = _inference_graph(self.graph, self.hints, self.folded)
     self.runs += 1
     try:
-      props = shapes_lib._run_inference(self._copy, var_shapes)  # pylint: disable=protected-access
+      by_node = shapes_lib._run_inference(self._copy, var_shapes)  # pylint: disable=protected-access
     except GraphValidationError:
       if not self.hints:
         raise
       logging.info("shape inference failed with gradient shape hints; dropping them")
       self.hints, self.hint_candidates, self._copy = {}, {}, None
       return self.run(var_shapes)
-    by_node = {name: [shapes_lib._tensor_info(p) for p in outs]  # pylint: disable=protected-access
-               for name, outs in props.items()}
     self.shapes = shapes_lib.ShapeMap(by_node)
     return self.shapes
 

@@ -15,11 +15,13 @@ from typing import Optional, Tuple
 from absl import logging
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
+from tensorflow.core.grappler.costs import op_performance_data_pb2
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import tensor_shape
 from tensorflow.python.grappler import item as grappler_item
 
+from tfsplit.errors import GraphValidationError
 from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.grappler import metagraph_fetching_sinks
@@ -66,6 +68,13 @@ class ShapeMap(object):
 
   def get(self, text):
     name, port = parse_input(text)
+    outs = self.by_node.get(name)
+    if outs is None or port < 0 or port >= len(outs):
+      return None
+    return outs[port]
+
+  def tensor(self, name, port):
+    """TensorInfo of output `port` of node `name`, or None (get() without parsing)."""
     outs = self.by_node.get(name)
     if outs is None or port < 0 or port >= len(outs):
       return None
@@ -126,12 +135,21 @@ def _inference_copy(graph, var_shapes):
 
 
 def _run_inference(graph, var_shapes):
+  """{node: [TensorInfo per output]} from Grappler's shape inference."""
   # The copy's extra nodes all have consumers: its sinks are the graph's.
   metagraph = metagraph_fetching_sinks(_inference_copy(graph, var_shapes), graph)
   try:
-    item = grappler_item.Item(metagraph, ignore_colocation=True,
-                              ignore_user_placement=True)
-    props = item.GetOpProperties()
+    try:
+      from tensorflow.python.grappler import _pywrap_tf_item as tf_item  # pylint: disable=import-outside-toplevel
+      # What grappler_item.Item does, without its copy of the MetaGraphDef;
+      # the properties are read raw: most outputs share a few distinct ones.
+      item = tf_item.TF_NewItem(metagraph.SerializeToString(), True, True)
+      raw = tf_item.TF_GetOpProperties(item)
+    except (ImportError, AttributeError):  # TF moved its internals: the public way
+      item = grappler_item.Item(metagraph, ignore_colocation=True,
+                                ignore_user_placement=True)
+      return {name: [_tensor_info(p) for p in outs]
+              for name, outs in item.GetOpProperties().items()}
   except (tf_errors.OpError, ValueError, RuntimeError, TypeError) as e:
     def original(node):  # the user's node for a node of the private copy
       return graph.get(node.name[:-len(_SHAPE_SOURCE)]
@@ -139,15 +157,119 @@ def _run_inference(graph, var_shapes):
     raise validate_lib.tf_error(e, metagraph.graph_def,
                                 "TensorFlow's shape inference rejected it",
                                 rename=original) from None
-  return props
+  infos = {}  # serialized TensorProperties -> TensorInfo (immutable, shared)
+
+  def info(data):
+    found = infos.get(data)
+    if found is None:
+      found = infos[data] = _tensor_info(
+          op_performance_data_pb2.OpInfo.TensorProperties.FromString(data))
+    return found
+  return {name: [info(p) for p in outs] for name, outs in raw.items()}
+
+
+# Dtypes whose values (not only shapes) static inference follows: shape
+# tensors, and handles that carry their variable's shape.
+_VALUE_DTYPES = frozenset([types_pb2.DT_INT32, types_pb2.DT_INT64,
+                           types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT])
+_STAND_IN = "/_tfsplit_stand_in"  # suffix of a stand-in's private nodes
+
+
+def _stand_in(out, name, infos, taken):
+  """Adds to `out` a node `name` whose outputs have exactly `infos`' dtypes
+  and (fully defined) shapes and no known values; False if it cannot."""
+  reads = []
+  for k, info in enumerate(infos):
+    if not info.fully_defined or info.dtype <= 0 or info.dtype > 100 or \
+        info.dtype in (types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT):
+      return False
+    read = name if len(infos) == 1 else f"{name}{_STAND_IN}_{k}"
+    handle = f"{name}{_STAND_IN}_{k}/handle"
+    if handle in taken or (read != name and read in taken):
+      return False
+    node = out.node.add(name=handle, op="VarHandleOp")
+    node.attr["dtype"].type = info.dtype
+    node.attr["shape"].shape.CopyFrom(tensor_shape.TensorShape(info.shape).as_proto())
+    node.attr["shared_name"].s = handle.encode()
+    node.attr["container"].s = b""
+    node = out.node.add(name=read, op="ReadVariableOp", input=[handle])
+    node.attr["dtype"].type = info.dtype
+    reads.append((read, info.dtype))
+  if len(infos) != 1:
+    node = out.node.add(name=name, op="IdentityN", input=[r for r, _ in reads])
+    node.attr["T"].list.type.extend([t for _, t in reads])
+  return True
+
+
+def _complete(graph, known, var_shapes):
+  """ShapeMap of `graph` from `known` (see infer_shapes), or None.
+
+  Only nodes with an output not fully known are inferred again, in a
+  subgraph holding them and what their shapes can depend on: constants,
+  variables and values of the dtypes static inference follows, up to tensors
+  of other dtypes, which enter as stand-ins of the same dtype and shape; and
+  the ops reading them, whose shape functions may equate an unknown size
+  with a known one (inference reports such sizes as known everywhere).
+  """
+  by_node, dirty = {}, []
+  for node in graph.nodes:
+    outs = known.get(node.name)
+    if outs is None or not all(o.fully_defined for o in outs):
+      dirty.append(node.name)
+    else:
+      by_node[node.name] = list(outs)
+  if not dirty:
+    return ShapeMap(by_node)
+  include = set(dirty)
+  for name in dirty:
+    for consumer, _ in graph.consumers(name):
+      include.add(consumer)
+  stand_ins, stack = set(), list(include)
+  while stack:
+    for src, port in graph.data_inputs(stack.pop()):
+      if src in include:
+        continue
+      node = graph.get(src)
+      if node is None:
+        return None
+      outs = known[src]
+      if node.op == "Const" or variables_lib.is_variable_node(node) or \
+          port >= len(outs) or outs[port].dtype in _VALUE_DTYPES:
+        include.add(src)
+        stack.append(src)
+      else:
+        stand_ins.add(src)
+  sub = graph_pb2.GraphDef()
+  sub.versions.CopyFrom(graph.versions)
+  sub.library.CopyFrom(graph.library)
+  for node in graph.nodes:
+    name = node.name
+    if name in include:
+      new = sub.node.add()
+      new.CopyFrom(node)
+      if any(t.startswith("^") for t in node.input):
+        del new.input[:]
+        new.input.extend(t for t in node.input if not t.startswith("^"))
+    elif name in stand_ins and not _stand_in(sub, name, known[name], graph):
+      return None
+  try:
+    inferred = _run_inference(Graph(sub), var_shapes)
+  except GraphValidationError:
+    return None  # the whole graph's inference says what is wrong
+  for name in dirty:
+    by_node[name] = inferred.get(name, [])
+  return ShapeMap(by_node)
 
 
 @without_gc
-def infer_shapes(graph, variables=None):
+def infer_shapes(graph, variables=None, known=None):
   """ShapeMap for `graph` (a tfsplit Graph or a GraphDef).
 
   `variables`: [VariableInfo] (found if not given); variables whose shape is
   unknown get it filled in from the ops that assign them, when possible.
+  `known`: {node: [TensorInfo per output]} that static inference gave for an
+  equivalent graph with fewer constants (fold.fold_and_expand): exact where
+  fully defined, so only the rest is inferred again.
   """
   if not isinstance(graph, Graph):
     graph = Graph(graph)
@@ -155,9 +277,12 @@ def infer_shapes(graph, variables=None):
     variables = variables_lib.find_variables(graph)
   var_shapes = {v.node: (v.dtype, v.shape) for v in variables
                 if v.kind == "captured" and v.shape is not None and v.dtype}
-  props = _run_inference(graph, var_shapes)
-  shapes = ShapeMap({name: [_tensor_info(p) for p in outs]
-                     for name, outs in props.items()})
+  if known is not None and not any(v.kind == "captured" and v.shape is None
+                                   for v in variables):
+    shapes = _complete(graph, known, var_shapes)
+    if shapes is not None:
+      return shapes
+  shapes = ShapeMap(_run_inference(graph, var_shapes))
 
   unknown = [v for v in variables if v.kind == "captured" and v.shape is None]
   filled = False
@@ -172,9 +297,7 @@ def infer_shapes(graph, variables=None):
                       "records it and no op assigns it a full value); "
                       "load the graph from its tf.function to keep it", var.node)
   if filled:
-    props = _run_inference(graph, var_shapes)
-    shapes = ShapeMap({name: [_tensor_info(p) for p in outs]
-                       for name, outs in props.items()})
+    shapes = ShapeMap(_run_inference(graph, var_shapes))
   for name in [n for n in shapes.by_node if n.endswith(_SHAPE_SOURCE)]:
     del shapes.by_node[name]
   for node in graph.nodes:  # nodes Grappler skipped (none expected)

@@ -2,7 +2,8 @@
 
 The graph index, the variables, static shapes and the layer report are
 computed once and kept until a pass changes the graph; `replace` installs the
-changed GraphDef and drops what depended on the old one.
+changed GraphDef and drops what depended on the old one (shapes the pass
+carried over are kept).
 """
 from tfsplit.graph import Graph, find_variables, infer_shapes
 from tfsplit.graph.layers import detect_layers
@@ -14,10 +15,13 @@ class Analysis(object):
   def __init__(self, graph_def):
     self.replace(graph_def)
 
-  def replace(self, graph_def):
+  def replace(self, graph_def, known_shapes=None):
+    """`known_shapes`: what the pass that made `graph_def` knows of its
+    shapes (see infer_shapes' `known`), so only the rest is inferred."""
     self.graph_def = graph_def
     self.graph = Graph(graph_def)
     self._variables = self._shapes = self._layers = None
+    self._known_shapes = known_shapes
     return self
 
   @property
@@ -29,7 +33,8 @@ class Analysis(object):
   @property
   def shapes(self):
     if self._shapes is None:
-      self._shapes = infer_shapes(self.graph, self.variables)
+      self._shapes = infer_shapes(self.graph, self.variables, known=self._known_shapes)
+      self._known_shapes = None
     return self._shapes
 
   @property

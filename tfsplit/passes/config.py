@@ -5,14 +5,18 @@ come (recomputation, optimizer-state sharding, offload, gradient buckets)
 get their field here, so a pass never grows its own keyword plumbing.
 """
 import dataclasses
+import numbers
 from typing import Dict, List, Optional, Tuple
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.pipeline.schedules import Interleaved
 
 STRATEGIES = ("megatron", "none")
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
 BALANCES = ("cost", "flops")
+# Gradient bucket cap (PyTorch DDP's default, 25 MiB).
+DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,12 +26,19 @@ class SplitConfig:
   strategy: 'megatron' (found from the graph) or 'none' (annotations only).
   annotations: {variable-name glob: dims tuple}; they override the strategy.
   microbatches: m > 1 runs each replica's batch as m micro-batches.
-  schedule / layer_ranges: the pipeline schedule and explicit stage ranges.
+  schedule / layer_ranges: the pipeline schedule and explicit stage ranges
+    (with virtual stages, one range per model chunk).
+  virtual_stages: model chunks per pipeline stage (v): the layers are cut
+    into S * v chunks, chunk c on stage c % S; the 'interleaved' schedule
+    needs v >= 2, the others v = 1.
   timeout_seconds: collectives give up after this long (a dead peer is an
-    error, not a hang).
+    error, not a hang); None: no timeout (devices of one process).
   axis: the strategy's mesh axis (default: 'tp', else the last model axis).
   balance: how stages are balanced without layer_ranges: 'cost' (op times
     from the cost model plus the activations crossing each cut) or 'flops'.
+  bucket_bytes: gradient all-reduces over the data axis are packed into
+    buckets of at most this many bytes per device, one collective each
+    (sharding/buckets.py); 0 keeps one all-reduce per gradient.
   """
   mesh: object
   strategy: Optional[str] = "megatron"
@@ -38,6 +49,8 @@ class SplitConfig:
   timeout_seconds: Optional[float] = None
   axis: Optional[str] = None
   balance: str = "cost"
+  virtual_stages: int = 1
+  bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
   def __post_init__(self):
     if int(self.microbatches) < 1:
@@ -47,6 +60,27 @@ class SplitConfig:
     if self.schedule not in SCHEDULES:
       raise PlanError(f"unknown pipeline schedule '{self.schedule}'; choose one of: "
                       f"{', '.join(sorted(SCHEDULES))}")
+    v = self.virtual_stages
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+      raise PlanError(f"virtual_stages must be a positive integer, got {v!r}")
+    if self.schedule == "interleaved" and v < 2:
+      raise PlanError(f"the interleaved schedule needs virtual_stages >= 2 model chunks "
+                      f"per stage, got {v}; pass virtual_stages=2 (--virtual-stages 2) "
+                      "or use the 1f1b schedule")
+    if self.schedule != "interleaved" and v != 1:
+      raise PlanError(f"virtual_stages={v} needs the interleaved schedule, not "
+                      f"'{self.schedule}'; pass schedule='interleaved' (--schedule "
+                      "interleaved) or virtual_stages=1")
+    if v > 1 and self.stages < 2:
+      raise PlanError(f"virtual_stages={v} interleaves model chunks over pipeline "
+                      "stages, but the mesh has no 'pp' axis of 2 or more; add one "
+                      "(pp=2, --stages 2) or use virtual_stages=1")
+    if v > 1 and int(self.microbatches) % self.stages:
+      Interleaved.check(self.stages, int(self.microbatches))
+    b = self.bucket_bytes
+    if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b < 0:
+      raise PlanError(f"bucket_bytes must be a non-negative integer (0: one all-reduce "
+                      f"per gradient), got {b!r}")
     if self.balance not in BALANCES:
       raise PlanError(f"unknown stage balance '{self.balance}'; choose one of: "
                       f"{', '.join(BALANCES)}")

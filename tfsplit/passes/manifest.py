@@ -4,6 +4,8 @@
     {"mesh": {"dp": 2, "tp": 2},          # the axes asked for
      "devices": [...],                    # one device name per mesh position
      "microbatches": 2, "schedule": "1f1b" | null, "stages": [[layer, ...], ...] | null,
+     "virtual_stages": 1,                 # model chunks per stage; "stages" lists
+                                          # the layers of each chunk (chunk c on stage c % S)
      "source": "/abs/path/in.pb" | null,
      "variables": {name: {"dtype", "shape", "sharding", "shards": [
          {"name", "device", "device_id", "offsets", "shape"}]}},
@@ -31,6 +33,7 @@ def build(result, source=None):
           "microbatches": int(config.microbatches),
           "schedule": config.schedule if config.stages > 1 else None,
           "stages": result.partition,
+          "virtual_stages": int(config.virtual_stages),
           "source": os.path.abspath(source) if source else None,
           "variables": result.manifest, "outputs": result.output_copies}
 

@@ -14,8 +14,8 @@ class SplitResult:
   records: Dict[str, object]           # local node -> sharding.materialize.NodeRecord
   config: object                       # the SplitConfig (mesh as asked)
   mesh: object                         # the mesh materialized (with 'mb')
-  partition: Optional[List[List[str]]] = None   # pipeline: layer names per stage
-  stage_of: Optional[Dict[str, int]] = None      # pipeline: original node -> stage
+  partition: Optional[List[List[str]]] = None   # pipeline: layer names per model chunk
+  stage_of: Optional[Dict[str, int]] = None      # pipeline: original node -> model chunk
   schedule_edges: int = 0                        # control edges a schedule added
 
   def count(self, kind, axis=None):

@@ -4,6 +4,7 @@ rewritten graph and its shard manifest.
 Both files are serialized before either is written, and each is written
 atomically, so a failed rewrite leaves no output.
 """
+import collections
 import time
 
 from tfsplit import constants
@@ -51,9 +52,10 @@ def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost"):
 def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cpu",
                  job="localhost", strategy="megatron", annotate=(), microbatches=1,
                  schedule="1f1b", collective_timeout=600.0, signature=None,
-                 variables=None):
+                 variables=None, virtual_stages=1, bucket_mb=25.0):
   """Splits the graph at `source` and writes it to `output` with its manifest.
 
+  bucket_mb: gradient bucket size in MiB (0: one all-reduce per gradient).
   Returns the summary lines of what was done.
   """
   from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
@@ -68,7 +70,9 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   result = split_graph(graph_def, the_mesh, strategy=strategy,
                        annotations=dict(parse_annotation(a) for a in annotate),
                        timeout_seconds=collective_timeout, microbatches=microbatches,
-                       schedule=schedule, layer_ranges=layer_ranges)
+                       schedule=schedule, layer_ranges=layer_ranges,
+                       virtual_stages=virtual_stages,
+                       bucket_bytes=int(round(bucket_mb * 2**20)))
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)
@@ -77,13 +81,25 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
            f"{time.perf_counter() - t0:.2f} s",
            f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} "
            f"of {len(result.manifest)} variables split"]
-  if result.partition:
+  if result.partition and virtual_stages > 1:
+    lines.append(f"  pipeline: {result.config.stages} stages x {virtual_stages} virtual "
+                 f"stages, chunks {result.partition}, {schedule} over {microbatches} "
+                 "micro-batches")
+  elif result.partition:
     lines.append(f"  pipeline: {len(result.partition)} stages {result.partition}, "
                  f"{schedule} over {microbatches} micro-batches")
   lines.append(f"  collectives: {result.count('all_reduce')} all-reduce, "
                f"{result.count('local_sum')} micro-batch sums, "
                f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} "
                "fallback(s) to replication")
+  buckets = [c for c in result.collectives if c.kind == "bucket"]
+  if buckets:
+    per_group = collections.Counter(c.devices for c in buckets)
+    packed = {t for c in buckets for t in c.members}
+    lines.append(f"  gradient buckets: {len(packed)} all-reduces over "
+                 f"{'/'.join(sorted({c.axis for c in buckets}))} packed into "
+                 f"{max(per_group.values())} bucket(s) per group ({len(per_group)} "
+                 f"group(s), at most {bucket_mb:g} MiB each)")
   lines += [f"  fallback: {msg}" for msg in result.fallbacks]
   lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
   return lines

@@ -11,14 +11,18 @@ another module's private fields:
 2. plan_variables       variable shardings: strategy (megatron) + annotations
 3. propagate_layouts    a sharding for every tensor; optimizer-slot and bias
                          shardings inferred from the ops that use them
-4. assign_stages        pipeline only: every node's stage
+4. assign_stages        pipeline only: every node's stage (its model chunk
+                         with virtual stages: chunk c runs on stage c % S)
 5. materialize          one copy of each op per device, collectives between
                          shardings (sharding/reshard.py), per-node records
 6. check_microbatch_independence
                         no micro-batch needs another's activations
 7. order_microbatches   micro-batch j+1 waits for micro-batch j (no pipeline)
-   or apply_schedule    the pipeline schedule's control edges (gpipe / 1f1b)
-8. check_acyclic        the result can run
+   or apply_schedule    the pipeline schedule's control edges (gpipe / 1f1b /
+                         interleaved)
+8. bucket_gradients     gradient all-reduces over the data axis packed into
+                         buckets, one collective each (sharding/buckets.py)
+9. check_acyclic        the result can run
 """
 import dataclasses
 import fnmatch
@@ -32,15 +36,16 @@ from tfsplit.cost import layer_cost
 from tfsplit.cost import op_cost
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
-from tfsplit.graph.fold import expand_identity_n, fold_static_shapes
+from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.ir import without_gc
 from tfsplit.passes.analysis import Analysis
-from tfsplit.passes.config import SplitConfig
+from tfsplit.passes.config import DEFAULT_BUCKET_BYTES, SplitConfig
 from tfsplit.passes.result import SplitResult
 from tfsplit.pipeline import microbatches as microbatch_lib
 from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.graph.endpoints import graph_inputs
+from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding.materialize import materialize
 from tfsplit.sharding.propagate import propagate
 from tfsplit.sharding.spec import Sharding
@@ -57,8 +62,8 @@ class SplitState:
   explicit: Dict[str, tuple] = dataclasses.field(default_factory=dict)
   input_specs: Dict[str, Sharding] = dataclasses.field(default_factory=dict)
   propagation: object = None
-  partition: Optional[list] = None
-  stage_of: Optional[Dict[str, int]] = None
+  partition: Optional[list] = None   # layer names per model chunk
+  stage_of: Optional[Dict[str, int]] = None  # node -> model chunk (= stage when v = 1)
   materialized: object = None
   schedule_edges: int = 0
 
@@ -66,8 +71,7 @@ class SplitState:
 # --- passes ----------------------------------------------------------------------
 def fold_shapes(state):
   analysis = state.analysis
-  folded = expand_identity_n(fold_static_shapes(analysis.graph_def, analysis.shapes))
-  analysis.replace(folded)
+  analysis.replace(*fold_and_expand(analysis.graph, analysis.shapes))
   for var in analysis.variables:
     if var.shape is None:
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
@@ -109,7 +113,8 @@ def assign_stages(state):
     layer_costs, boundary_costs = _stage_costs(analysis, state.mesh)
   state.partition = partition_lib.partition_layers(analysis.layers, stages,
                                                    state.config.layer_ranges,
-                                                   layer_costs, boundary_costs)
+                                                   layer_costs, boundary_costs,
+                                                   state.config.virtual_stages)
   state.stage_of = partition_lib.assign_stages(analysis.graph, analysis.layers,
                                                state.partition)
 
@@ -157,15 +162,32 @@ def check_microbatch_independence(state):
 def order_work(state):
   """Micro-batch order without a pipeline; the schedule's order with one."""
   out, analysis = state.materialized, state.analysis
+  if state.stage_of is None and (
+      state.mesh.axes.get(constants.MICROBATCH_AXIS, 1) <= 1 or not out.local_sums):
+    return  # nothing to order (order_microbatches would add no edge)
   sets = schedules_lib.micro_batch_sets(
       out.graph_def, out.records, analysis.layers.block_roles(), state.mesh,
-      schedules_lib.waiting_for_updates(analysis.graph, analysis.roles))
+      schedules_lib.waiting_for_updates(analysis.graph, analysis.roles), state.stage_of)
   if state.stage_of is None:
     microbatch_lib.order_microbatches(out.graph_def, sets, out.local_sums, state.mesh)
     return
   state.schedule_edges = schedules_lib.apply_schedule(
-      out.graph_def, schedules_lib.get_schedule(state.config.schedule), sets, state.mesh,
-      state.config.stages, state.config.microbatches)
+      out.graph_def,
+      schedules_lib.get_schedule(state.config.schedule, state.config.virtual_stages),
+      sets, state.mesh, state.config.stages, state.config.microbatches)
+
+
+def bucket_gradients(state):
+  """One all-reduce per bucket of gradients over the data axis, not per tensor."""
+  config, mesh = state.config, state.mesh
+  batch_axis = config.batch_axis(mesh)
+  if not config.bucket_bytes or batch_axis is None:
+    return
+  axes = [a for a in mesh.axis_parts(batch_axis)
+          if mesh.axes[a] > 1 and not mesh.is_local(a)]
+  out = state.materialized
+  out.collectives.extend(buckets_lib.bucket_gradients(
+      out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes))
 
 
 def check_acyclic(state):
@@ -177,7 +199,8 @@ def check_acyclic(state):
 
 
 PASSES = (fold_shapes, plan_variables, propagate_layouts, assign_stages,
-          materialize_devices, check_microbatch_independence, order_work, check_acyclic)
+          materialize_devices, check_microbatch_independence, order_work, bucket_gradients,
+          check_acyclic)
 
 
 @without_gc
@@ -202,10 +225,12 @@ def run_passes(graph_def, config):
 
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
-                layer_ranges=None, balance="cost"):
+                layer_ranges=None, balance="cost", virtual_stages=1,
+                bucket_bytes=DEFAULT_BUCKET_BYTES):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
-                       layer_ranges, timeout_seconds, axis, balance)
+                       layer_ranges, timeout_seconds, axis, balance, virtual_stages,
+                       bucket_bytes=bucket_bytes)
   return run_passes(graph_def, config)
 
 

@@ -17,7 +17,7 @@ from tfsplit.graph.ir import Graph, parse_input
 def order_microbatches(graph_def, sets, local_sums, mesh):
   """Adds the ordering edges to `graph_def` in place; returns how many.
 
-  sets: schedules.micro_batch_sets of the graph ({(device id, j): {'F_in': ...}});
+  sets: schedules.micro_batch_sets of the graph ({(device id, j, chunk): {'F_in': ...}});
   local_sums: per running sum, {device id: that micro-batch's member}.
   """
   axis = constants.MICROBATCH_AXIS
@@ -25,7 +25,7 @@ def order_microbatches(graph_def, sets, local_sums, mesh):
     return 0
   nodes = {n.name: n for n in graph_def.node}
   added = 0
-  for (d, j), blocks in sorted(sets.items()):
+  for (d, j, _), blocks in sorted(sets.items()):
     if j == 0:
       continue
     prev = mesh.device_id({**mesh.coords(d), axis: j - 1})

@@ -1,4 +1,5 @@
-"""Stage partition: contiguous layers into S pipeline stages, and every node's stage.
+"""Stage partition: contiguous layers into S pipeline stages (or S * v model
+chunks, chunk c on stage c % S), and every node's stage (chunk).
 
 Layers come from layer detection (tfsplit.graph.layers): each layer's forward
 ops, its gradient ops and the updates of its variables go to its stage. The
@@ -9,8 +10,9 @@ given; explicit layer ranges override it. Nodes outside the layers follow their 
 variable sits with the variable, a gradient op feeding only one stage's updates on that stage (a tied
 weight's contributions are summed on its owner), other ops with their latest
 input's stage (so the loss joins the last stage; for gradient ops, the
-earliest: backward runs from the last stage to the first), sources with their earliest
-consumer.
+earliest: backward runs from the last stage to the first; inputs computed
+from variables alone count only when there are no others), sources with
+their earliest consumer.
 """
 from tfsplit import constants
 from tfsplit.errors import PlanError
@@ -50,8 +52,10 @@ def balanced_partition(costs, stages, boundary=None):
 
 
 def partition_layers(report, stages, layer_ranges=None, layer_costs=None,
-                     boundary_costs=None):
-  """[[layer name, ...] per stage] over the report's layers with parameters.
+                     boundary_costs=None, chunks=1):
+  """[[layer name, ...] per model chunk] over the report's layers with
+  parameters: stages * chunks contiguous chunks (chunk c runs on stage c % S;
+  with one chunk per stage, one per stage).
 
   layer_costs / boundary_costs: per model layer and per cut between two of
   them (seconds, from the cost model); default: forward + backward FLOPs.
@@ -59,10 +63,17 @@ def partition_layers(report, stages, layer_ranges=None, layer_costs=None,
   layers = report.model_layers
   if stages < 1:
     raise PlanError(f"stages must be >= 1, got {stages}")
+  if chunks > 1 and stages * chunks > len(layers):
+    raise PlanError(f"{stages} stages x {chunks} virtual stages need {stages * chunks} "
+                    f"model chunks but the graph has only {len(layers)} layers with "
+                    f"parameters ({', '.join(l.name for l in layers)}); use at most "
+                    f"{len(layers) // stages} virtual stages, fewer stages, or a deeper "
+                    "model")
   if stages > len(layers):
     raise PlanError(f"{stages} stages but the graph has only {len(layers)} layers with "
                     f"parameters ({', '.join(l.name for l in layers)}); use at most "
                     f"{len(layers)} stages")
+  stages *= chunks
   if layer_ranges is None:
     if layer_costs is None:
       layer_costs = [max(1, l.forward_flops + l.backward_flops) for l in layers]
@@ -71,7 +82,9 @@ def partition_layers(report, stages, layer_ranges=None, layer_costs=None,
   else:
     layer_ranges = [tuple(r) for r in layer_ranges]
     if len(layer_ranges) != stages:
-      raise PlanError(f"{len(layer_ranges)} layer ranges given for {stages} stages")
+      what = f"{stages} stages" if chunks == 1 else \
+          f"{stages} model chunks ({stages // chunks} stages x {chunks} virtual stages)"
+      raise PlanError(f"{len(layer_ranges)} layer ranges given for {what}")
     expected = 0
     for start, end in layer_ranges:
       if start != expected or end <= start:
@@ -114,18 +127,27 @@ def assign_stages(graph, report, partition, order=None):
     if len(owners) == 1 and None not in owners:
       stage[name] = owners.pop()
   undecided = []
+  # Values computed from variables alone (a weight read, its cast): shared by
+  # every micro-batch, so they do not say where a micro-batch's work runs.
+  weights = set()
   for name in order:
-    if name in stage:
-      continue
     node = graph.node(name)
     data = [parse_input(t)[0] for t in node.input if not t.startswith("^")]
+    staged = [d for d in data if d in stage]
+    if node.op == "Const" or (data and all(d in weights or d in var_nodes for d in data)):
+      weights.add(name)
+    if name in stage:
+      continue
     handles = [d for d in data if d in var_nodes]
     if handles:
       stage[name] = stage[handles[0]]
     elif report.layer_of.get(name) in layer_stage:
       stage[name] = layer_stage[report.layer_of[name]]
     else:
-      known = [stage[d] for d in data if d in stage]
+      # A tied weight's read sits with its owner; the head's input gradient
+      # (dlogits x embedding) still runs where dlogits is, not on the
+      # owner's stage, which would send it back and forth.
+      known = [stage[d] for d in staged if d not in weights] or [stage[d] for d in staged]
       if known:
         # Forward flows to later stages, backward to earlier ones: a residual
         # stream's gradient sum joins the stage whose backward it continues.

@@ -6,8 +6,9 @@ order stateful ops across devices, and would deadlock collectives. Captured
 variable placeholders are fed the handles of real tf.Variables, matched by
 the variable name tfsplit recorded when it loaded the graph.
 
-A pipelined graph is called with its own Grappler config (`grappler_config`);
-the caller's other functions keep theirs.
+A split graph is called with its own Grappler config (`grappler_config`);
+the caller's other functions keep theirs. It is imported without what TF
+would drop before running it (`_runtime_copy`).
 """
 import glob
 import os
@@ -15,15 +16,23 @@ import re
 import tempfile
 
 import tensorflow as tf
+from tensorflow.core.framework import graph_pb2
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.eager import context
+from tensorflow.python.framework import device as pydev
+from tensorflow.python.framework import op_def_registry
+from tensorflow.python.framework import ops
+from tensorflow.python.util import compat
 
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
-from tfsplit.graph.ir import Graph
+from tfsplit.graph.ir import Graph, parse_input, without_gc
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
+from tfsplit.sharding import builder as builder_lib
+
+_RECORD_ATTRS = (builder_lib.SOURCE_ATTR, builder_lib.DEVICE_ID_ATTR, builder_lib.SHARED_ATTR)
 
 
 def has_schedule(graph_def):
@@ -31,23 +40,37 @@ def has_schedule(graph_def):
   return any(SCHEDULE_BARRIER_ATTR in n.attr for n in graph_def.node)
 
 
+def is_split(graph_def):
+  """True if `graph_def` was made by a split (its nodes carry records)."""
+  return any(builder_lib.SOURCE_ATTR in n.attr for n in graph_def.node)
+
+
 def grappler_config(graph_def, config):
   """Sets in `config` (a ConfigProto, changed in place) what running
   `graph_def` needs from Grappler; returns it.
 
-  A pipelined graph gets one meta-optimizer round. Its schedule edges reach
-  every op of a block, and an op with control inputs is left alone by the
-  arithmetic optimizer's re-association (MinimizeBroadcasts, AddOpsRewrite).
-  But the round ends with the dependency optimizer's transitive reduction,
-  which removes every edge a data path already implies; in a second round
-  MinimizeBroadcasts then rebuilds Mul trees across the forward/backward
-  boundary, reusing node names: Gelu's gradient (0.5 * dy) * erfc(x) becomes
-  (0.5 * erfc(x)) * dy, and that backward node, now fed by forward values
-  only, runs in the forward phase, out of the schedule's order.
+  A split graph gets one meta-optimizer round.
+
+  A pipelined graph needs it. Its schedule edges reach every op of a block,
+  and an op with control inputs is left alone by the arithmetic optimizer's
+  re-association (MinimizeBroadcasts, AddOpsRewrite). But the round ends
+  with the dependency optimizer's transitive reduction, which removes every
+  edge a data path already implies; in a second round MinimizeBroadcasts
+  then rebuilds Mul trees across the forward/backward boundary, reusing node
+  names: Gelu's gradient (0.5 * dy) * erfc(x) becomes (0.5 * erfc(x)) * dy,
+  and that backward node, now fed by forward values only, runs in the
+  forward phase, out of the schedule's order.
+
+  Any other split graph gets it unless `config` asks for rounds itself: the
+  split multiplies the nodes Grappler works through before the first step,
+  and its second round costs a third of that (3 s of a 12-block GPT's tp=2
+  step on CPU) to remove under 1% more nodes; the step then runs as fast.
   """
-  if has_schedule(graph_def):
-    config.graph_options.rewrite_options.meta_optimizer_iterations = (
-        rewriter_config_pb2.RewriterConfig.ONE)
+  rewrite = config.graph_options.rewrite_options
+  if has_schedule(graph_def) or (
+      rewrite.meta_optimizer_iterations == rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS
+      and is_split(graph_def)):
+    rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
   return config
 
 
@@ -60,7 +83,7 @@ class GraphFunction(object):
   def __init__(self, concrete, graph_def):
     self.concrete = concrete
     self.graph_def = graph_def
-    self._own_config = has_schedule(graph_def)
+    self._own_config = has_schedule(graph_def) or is_split(graph_def)
     self._options = {}  # caller's serialized config -> FunctionCallOptions
 
   def _call_options(self, current):
@@ -145,6 +168,171 @@ def variable_key(variable):
   return name[:-2] if name.endswith(":0") else name
 
 
+_CONTROL_FLOW_OPS = frozenset(["Switch", "RefSwitch", "Merge", "RefMerge", "Enter",
+                                "RefEnter", "Exit", "RefExit", "NextIteration",
+                                "RefNextIteration", "LoopCond"])
+
+
+def _runtime_copy(graph_def, outputs):
+  """What TF needs of split graph `graph_def` to run it for `outputs` (node
+  names); other graphs are returned as they are.
+
+  The split makes many nodes that TF drops before it runs a function, and
+  importing them only to drop them costs time; so, and for the same result:
+  - the per-node records (sharding/builder.py) are left out: each names its
+    node's original, so two identical copies of one op on a device would
+    differ by an attr, and Grappler's common-subgraph elimination, which the
+    original function gets, would keep both;
+  - nodes TF prunes from a function body before running it are left out:
+    stateless ops that no output, stateful op or control-flow op reads (the
+    global shape constants the split replaced by local ones). Placeholders
+    stay: they are the function's arguments and captures;
+  - identical constants on one device are one (as Grappler's common-subgraph
+    elimination makes them: every device gets its copy of every constant).
+  """
+  if not any(builder_lib.SOURCE_ATTR in n.attr for n in graph_def.node):
+    return graph_def
+  nodes = {n.name: n for n in graph_def.node}
+  roots = {}
+
+  def is_root(op):
+    if op not in roots:
+      op_def = op_def_registry.get(op)
+      roots[op] = (op_def is None or op_def.is_stateful or op in _CONTROL_FLOW_OPS or
+                   op == "Placeholder")
+    return roots[op]
+  live = set()
+  stack = [o for o in outputs if o in nodes] + [n.name for n in graph_def.node
+                                                if is_root(n.op)]
+  while stack:
+    name = stack.pop()
+    if name in live:
+      continue
+    live.add(name)
+    for text in nodes[name].input:
+      if text[:1] == "^":
+        text = text[1:]
+      elif ":" in text:
+        text = parse_input(text)[0]
+      if text not in live and text in nodes:
+        stack.append(text)
+  same, first = {}, {}  # a constant -> the identical one it is replaced by
+  keep = set(outputs)
+  for node in graph_def.node:
+    if node.op != "Const" or node.input or node.name not in live or node.name in keep:
+      continue
+    attr = node.attr
+    key = (node.device,) + tuple(
+        (k, attr[k].SerializeToString(deterministic=True)) for k in sorted(attr)
+        if k not in _RECORD_ATTRS)
+    if key in first:
+      same[node.name] = first[key]
+    else:
+      first[key] = node.name
+  copy = graph_pb2.GraphDef()
+  copy.versions.CopyFrom(graph_def.versions)
+  copy.library.CopyFrom(graph_def.library)
+  if len(live) == len(nodes) and not same:
+    copy.node.extend(graph_def.node)
+  else:
+    copy.node.extend(n for n in graph_def.node if n.name in live and n.name not in same)
+  renamed = {}  # input text naming a dropped constant -> the text naming its twin
+  for name, twin in same.items():
+    renamed[name] = renamed[name + ":0"] = twin
+    renamed["^" + name] = "^" + twin
+  for node in copy.node:
+    attr = node.attr
+    for key in _RECORD_ATTRS:
+      if key in attr:
+        del attr[key]
+    if renamed and any(t in renamed for t in node.input):
+      inputs = []
+      for text in node.input:
+        text = renamed.get(text, text)
+        if text[:1] != "^" or text not in inputs:
+          inputs.append(text)
+      del node.input[:]
+      node.input.extend(inputs)
+  return copy
+
+
+def _canonical_device(device, cache):
+  """The device string TF's Python importer would give an op placed on `device`."""
+  if device not in cache:
+    cache[device] = pydev.canonical_name(device) if device else ""
+  return cache[device]
+
+
+def _import_into_default_graph(graph_def, input_map, return_elements):
+  """tf.graph_util.import_graph_def(graph_def, input_map, return_elements,
+  name="") into the default graph, with the same result, but without
+  entering a device scope per op (which costs ~0.1 ms an op in Python), and
+  without adding default attrs to `graph_def` in place. Falls back to the
+  public function where its per-op pass does more: device functions in scope,
+  functions in the library, or TF internals moved."""
+  graph = ops.get_default_graph()
+  try:
+    from tensorflow.python.client import pywrap_tf_session as c_api  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import c_api_util  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import importer  # pylint: disable=import-outside-toplevel
+    fast = (not len(graph._device_function_stack)  # pylint: disable=protected-access
+            and not graph_def.library.function)
+    populate = importer._PopulateTFImportGraphDefOptions  # pylint: disable=protected-access
+    gather = importer._GatherReturnElements  # pylint: disable=protected-access
+    colocation_names = importer._GetColocationNames  # pylint: disable=protected-access
+  except (ImportError, AttributeError):
+    fast = False
+  if not fast:
+    return tf.graph_util.import_graph_def(graph_def, input_map=input_map,
+                                          return_elements=return_elements, name="")
+  scoped = c_api_util.ScopedTFImportGraphDefOptions()
+  populate(scoped.options, "", input_map, return_elements, True)
+  devices = {n.name: n.device for n in graph_def.node}
+  colocated = {n.name for n in graph_def.node if "_class" in n.attr}
+  with graph._mutation_lock():  # pylint: disable=protected-access
+    buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
+    try:
+      with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
+        results = c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer, scoped.options)
+      results = c_api_util.ScopedTFImportGraphDefResults(results)
+    except tf.errors.InvalidArgumentError as e:
+      raise ValueError(str(e)) from None  # as import_graph_def raises it
+    finally:
+      c_api.TF_DeleteBuffer(buffer)
+    new_ops = graph._add_new_tf_operations(compute_devices=False)  # pylint: disable=protected-access
+    # The devices the public importer gives: the NodeDef's own, canonical;
+    # an op colocated with another takes that op's device (or none).
+    canonical, pairs = {}, []
+    for op in new_ops:
+      name = op.name
+      if name in colocated:
+        names = colocation_names(op)
+        if names:
+          op._set_device("")  # pylint: disable=protected-access
+          pairs.append((op, names))
+          continue
+      device = devices.get(name, "")
+      wanted = _canonical_device(device, canonical)
+      if wanted != device:
+        op._set_device_from_string(wanted)  # pylint: disable=protected-access
+    for op, names in pairs:
+      for other in names:
+        try:
+          other_op = graph._get_operation_by_name(other)  # pylint: disable=protected-access
+        except KeyError:
+          continue
+        if other_op.device:
+          op._set_device(pydev.DeviceSpec.from_string(other_op.device))  # pylint: disable=protected-access
+          break
+  missing = c_api.TF_ImportGraphDefResultsMissingUnusedInputMappings_wrapper(
+      results.results)
+  if missing:
+    raise ValueError("Attempted to map inputs that were not found in graph_def: "
+                     f"[{', '.join(compat.as_str(s) for s in missing)}]")
+  return gather(return_elements, graph, results.results)
+
+
+@without_gc
 def import_graph(graph_def, variables=(), inputs=None, outputs=None):
   """A GraphFunction (a callable ConcreteFunction) running `graph_def` on `variables`.
 
@@ -188,8 +376,133 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
     input_map = {tensor(n): a for n, a in zip(inputs, args)}
     for placeholder, var in captures.items():
       input_map[placeholder] = default_graph.capture(var.handle)
-    return tf.graph_util.import_graph_def(
-        graph_def, input_map=input_map,
-        return_elements=[tensor(o) for o in outputs], name="")
+    return _import_into_default_graph(runtime_graph_def, input_map,
+                                      [tensor(o) for o in outputs])
 
+  runtime_graph_def = _runtime_copy(graph_def, [o.split(":")[0] for o in outputs])
+  if runtime_graph_def is not graph_def:  # a split graph: every op is TF's own
+    fn = _function_from_graph_def(runtime_graph_def, [tensor(n) for n in inputs],
+                                  [tensor(o) for o in outputs], captures, specs)
+    if fn is not None:
+      return GraphFunction(fn, graph_def)
   return GraphFunction(tf.compat.v1.wrap_function(body, specs), graph_def)
+
+
+class _Function(object):
+  """A GraphDef run as one TF function: called with the graph's inputs, it
+  feeds the captured placeholders the variables' handles and returns the
+  list of outputs, as wrap_function over import_graph_def does."""
+
+  def __init__(self, atomic, specs, variables):
+    self._atomic = atomic
+    self._specs = specs
+    self._variables = variables  # kept alive as long as the function
+    self._handles = [v.handle for v in variables]
+
+  def __call__(self, *args):
+    if len(args) != len(self._specs):
+      raise TypeError(f"the graph takes {len(self._specs)} input(s) "
+                      f"({', '.join(str(s) for s in self._specs)}), got {len(args)}")
+    flat = [ops.convert_to_tensor(a, s.dtype) for a, s in zip(args, self._specs)]
+    return self._atomic.call_flat(*flat, *self._handles)
+
+
+def _function_from_graph_def(graph_def, inputs, outputs, captures, specs):
+  """A _Function of `graph_def` (inputs / outputs: tensor names; captures:
+  {placeholder tensor: variable}), or None where TF's internals differ.
+
+  What wrap_function makes, without its Python object per op (most of its
+  time on a split graph): the graph is imported into a bare C graph and
+  turned into a function there; the captured placeholders are created first,
+  carrying their variable's dtype and shape as capture() gives them, and the
+  graph's own are mapped onto them.
+  """
+  try:
+    from tensorflow.python.client import pywrap_tf_session as c_api  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.eager.polymorphic_function import atomic_function  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.framework import c_api_util  # pylint: disable=import-outside-toplevel
+    from tensorflow.python.ops import handle_data_util  # pylint: disable=import-outside-toplevel
+    from tensorflow.core.function.polymorphism import function_type as function_type_lib  # pylint: disable=import-outside-toplevel
+    new_options = c_api_util.ScopedTFImportGraphDefOptions
+    new_results = c_api_util.ScopedTFImportGraphDefResults
+  except (ImportError, AttributeError):
+    return None
+  nodes = {n.name: n for n in graph_def.node}
+  capture_names = [parse_input(t)[0] for t in captures]
+  args = {parse_input(t)[0] for t in inputs} | set(capture_names)
+  graph = ops.Graph()
+  with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
+    # 1. The captured placeholders, with their variables' handle data.
+    first = graph_pb2.GraphDef()
+    first.versions.CopyFrom(graph_def.versions)
+    first.node.extend(nodes[n] for n in capture_names)
+    options = new_options()
+    c_api.TF_ImportGraphDefOptionsSetPrefix(options.options, "")
+    for name in capture_names:
+      c_api.TF_ImportGraphDefOptionsAddReturnOutput(options.options, name, 0)
+    results = _c_import(c_api, c_graph, first, options, new_results)
+    placeholders = c_api.TF_ImportGraphDefResultsReturnOutputs(results.results)
+    for output, var in zip(placeholders, captures.values()):
+      handle_data = handle_data_util.get_handle_data(var.handle)
+      if handle_data is not None and handle_data.is_set:
+        c_api.SetHandleShapeAndType(c_graph, output, handle_data.SerializeToString())
+    # 2. The graph, its captured placeholders mapped onto those.
+    body = graph_pb2.GraphDef()
+    body.versions.CopyFrom(graph_def.versions)
+    body.library.CopyFrom(graph_def.library)
+    captured = set(capture_names)
+    body.node.extend(n for n in graph_def.node if n.name not in captured)
+    options = new_options()
+    c_api.TF_ImportGraphDefOptionsSetPrefix(options.options, "")
+    for name, output in zip(capture_names, placeholders):
+      c_api.TF_ImportGraphDefOptionsAddInputMapping(options.options, name, 0, output)
+      c_api.TF_ImportGraphDefOptionsRemapControlDependency(options.options, name, output.oper)
+    for text in inputs + outputs:
+      name, port = parse_input(text)
+      c_api.TF_ImportGraphDefOptionsAddReturnOutput(options.options, name, port)
+    for node in body.node:
+      if node.name not in args:
+        c_api.TF_ImportGraphDefOptionsAddReturnOperation(options.options, node.name)
+    results = _c_import(c_api, c_graph, body, options, new_results)
+    returned = c_api.TF_ImportGraphDefResultsReturnOutputs(results.results)
+    arg_outputs = list(returned[:len(inputs)]) + list(placeholders)
+    ret_outputs = list(returned[len(inputs):])
+    operations = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
+    name = f"__inference_tfsplit_graph_{ops.uid()}"
+    fn = c_api.TF_GraphToFunction_wrapper(c_graph, name, False, list(operations),
+                                          arg_outputs, ret_outputs, [], [], [], None, "")
+  # The outputs' static shapes, as the imported graph's shape functions found them.
+  out_specs, made = [], {}
+  for output in ret_outputs:
+    key = c_api.TF_OperationName(output.oper)
+    if key not in made:
+      made[key] = graph._create_op_from_tf_operation(output.oper, compute_device=False)  # pylint: disable=protected-access
+    tensor = made[key].outputs[output.index]
+    out_specs.append(tf.TensorSpec(tensor.shape, tensor.dtype))
+  ctx = context.context()
+  ctx.add_c_function(fn)
+  c_api.TF_DeleteFunction(fn)
+  stateful = False
+  for node in body.node:
+    op_def = op_def_registry.get(node.op)
+    if op_def is None or op_def.is_stateful:
+      stateful = True
+      break
+  function_type = function_type_lib.from_structured_signature(
+      (tuple(specs), {}), out_specs, {})
+  atomic = atomic_function.AtomicFunction(
+      name, ctx, function_type, call_options=atomic_function.CallOptions(
+          is_stateful=stateful))
+  return _Function(atomic, specs, list(captures.values()))
+
+
+def _c_import(c_api, c_graph, graph_def, options, new_results):
+  """TF_GraphImportGraphDefWithResults of `graph_def`; raises as import_graph_def."""
+  buffer = c_api.TF_NewBufferFromString(graph_def.SerializeToString())
+  try:
+    return new_results(c_api.TF_GraphImportGraphDefWithResults(c_graph, buffer,
+                                                                options.options))
+  except tf.errors.InvalidArgumentError as e:
+    raise ValueError(str(e)) from None
+  finally:
+    c_api.TF_DeleteBuffer(buffer)

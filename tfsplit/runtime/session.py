@@ -142,7 +142,7 @@ def write_chrome_trace(events, path, labels=None):
   write_atomically(path, json.dumps(chrome_trace(events, labels)))
 
 
-def microbatch_blocks(events, roles, mesh, graph_def):
+def microbatch_blocks(events, roles, mesh, graph_def, chunk_of=None):
   """{stage: [(('F'|'B', j), start, end)] sorted by start} from op events.
 
   roles: original node -> role; mesh: the materialized mesh (with its 'mb'
@@ -151,6 +151,9 @@ def microbatch_blocks(events, roles, mesh, graph_def):
   per-micro-batch work count: ops with data inputs that exist once per
   micro-batch (constants and ops shared by all micro-batches run whenever
   their inputs allow), on the first device of every other axis.
+  chunk_of: original node -> model chunk (SplitResult.stage_of); with it a
+  block is ('F'|'B', j, chunk on its stage), as Schedule.order gives it for
+  the interleaved schedule.
   """
   mb, pp = constants.MICROBATCH_AXIS, constants.PIPELINE_AXIS
   records = read_records(graph_def)
@@ -174,8 +177,11 @@ def microbatch_blocks(events, roles, mesh, graph_def):
     if block is None or any(mesh.coord(d, a) != 0 for a in mesh.axis_names
                             if a not in (mb, pp)):
       continue
-    key = (mesh.coord(d, pp) if pp in mesh.axes else 0,
-           (block, mesh.coord(d, mb) if mb in mesh.axes else 0))
+    stage = mesh.coord(d, pp) if pp in mesh.axes else 0
+    label = (block, mesh.coord(d, mb) if mb in mesh.axes else 0)
+    if chunk_of is not None:
+      label += (chunk_of.get(record.source, stage) // mesh.axes.get(pp, 1),)
+    key = (stage, label)
     lo, hi = spans.get(key, (start, end))
     spans[key] = (min(lo, start), max(hi, end))
   blocks = {}

@@ -10,6 +10,7 @@ import numpy as np
 import tensorflow as tf
 
 from tfsplit.errors import DivergedCopiesError, TfsplitError
+from tfsplit.graph.ir import without_gc
 from tfsplit.runtime import compare as compare_lib
 
 
@@ -61,6 +62,7 @@ def full_values(manifest, shard_values_by_name, rtol=compare_lib.DEFAULT_RTOL):
   return out
 
 
+@without_gc
 def create_shard_variables(manifest, full_values_by_name):
   """{shard name: tf.Variable on its device} initialised from full values."""
   values = shard_values(manifest, full_values_by_name)

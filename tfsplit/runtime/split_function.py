@@ -7,9 +7,9 @@
 
 The function is traced once, its graph split (tfsplit.sharding), and the
 result imported with wrap_function over shard variables created from the
-current values of the function's variables. A pipelined step runs with one
-Grappler round (see graph_function.grappler_config), so each stage keeps its
-schedule's order.
+current values of the function's variables. The step runs with one Grappler
+round (see graph_function.grappler_config): a pipelined one keeps its
+schedule's order so, and any split step starts sooner.
 """
 import numpy as np
 import tensorflow as tf
@@ -21,6 +21,7 @@ from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import import_graph, traced_call
 from tfsplit.sharding.mesh import Mesh
 from tfsplit.passes import split_graph
+from tfsplit.passes.config import DEFAULT_BUCKET_BYTES
 
 
 def available_devices():
@@ -68,7 +69,8 @@ class SplitFunction(object):
 
   def __init__(self, fn, mesh, strategy="megatron", input_signature=None,
                annotations=None, variable_names=None, timeout_seconds=None,
-               microbatches=1, schedule="1f1b", layer_ranges=None):
+               microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
+               bucket_bytes=DEFAULT_BUCKET_BYTES):
     self.mesh = make_mesh(mesh)
     concrete = (fn.get_concrete_function(*input_signature) if input_signature
                 else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
@@ -78,7 +80,8 @@ class SplitFunction(object):
     self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
                               annotations=annotations, timeout_seconds=timeout_seconds,
                               microbatches=microbatches, schedule=schedule,
-                              layer_ranges=layer_ranges)
+                              layer_ranges=layer_ranges, virtual_stages=virtual_stages,
+                              bucket_bytes=bucket_bytes)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -112,13 +115,18 @@ class SplitFunction(object):
 
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
           variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
-          layer_ranges=None):
+          layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
   microbatches: in-graph gradient accumulation over m micro-batches.
   schedule / layer_ranges: with a 'pp' mesh axis, the pipeline schedule
-    ('1f1b' or 'gpipe') and optional explicit stage layer ranges.
+    ('1f1b', 'gpipe' or 'interleaved') and optional explicit stage layer ranges.
+  virtual_stages: model chunks per stage for schedule='interleaved' (>= 2;
+    microbatches a multiple of the stages).
+  bucket_bytes: gradient all-reduces over 'dp' are packed into buckets of at
+    most this many bytes (default 25 MiB); 0: one all-reduce per gradient.
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
-                       timeout_seconds, microbatches, schedule, layer_ranges)
+                       timeout_seconds, microbatches, schedule, layer_ranges,
+                       virtual_stages, bucket_bytes)

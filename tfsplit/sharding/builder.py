@@ -127,6 +127,17 @@ class DeviceGraph(object):
       self.records[node.name] = NodeRecord(source, device_id)
     return added
 
+  def add_copy(self, node, name, device, source, device_id):
+    """Adds a copy of `node` named `name` on `device`, recorded as made for
+    `source` on `device_id`; returns the added NodeDef, to finish in place."""
+    self.names.add(name)
+    added = self.graph_def.node.add()
+    added.CopyFrom(node)
+    added.name, added.device = name, device
+    self.created[name] = added
+    self.records[name] = NodeRecord(source, device_id)
+    return added
+
   def mark_shared(self, name):
     record = self.records.get(name)
     self.records[name] = dataclasses.replace(record, shared=True) if record else \

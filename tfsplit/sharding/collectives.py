@@ -8,7 +8,12 @@ import functools
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-DEFAULT_TIMEOUT_SECONDS = 600.0
+# Without a timeout: with one, TF starts a watchdog thread per collective and
+# step that lives for the whole timeout (a dp=2 step with a 600 s timeout and
+# one all-reduce per gradient left 8,000 threads after 50 steps). Devices of
+# one process cannot fail alone; graphs for other processes get a timeout
+# from their caller (`tfsplit rewrite --collective-timeout`, timeout_seconds=).
+DEFAULT_TIMEOUT_SECONDS = 0.0
 
 
 @functools.lru_cache(maxsize=None)

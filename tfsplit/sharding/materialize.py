@@ -61,6 +61,7 @@ class _Materializer(object):
     seed = zlib.crc32(graph.graph_def.SerializeToString(deterministic=True) + plan.encode())
     self.r = Resharder(self.b, mesh, timeout, seed)
     self.alias = {}          # (node, device id) -> the local name it shares
+    self.sources = {}        # (src, port) -> source()'s answer
     self.reshards = {}       # (src, port, want, raw) -> [local tensor per device]
     self.deferred, self.manifest, self.output_copies, self.input_slices = [], {}, {}, []
 
@@ -72,12 +73,21 @@ class _Materializer(object):
   # --- tensors as consumers see them ---------------------------------------------
   def source(self, src, port, consumer):
     """(local tensor per device, sharding) of src:port as consumers see it."""
-    produced = self.prop.reduced_at_source.get((src, port))
-    if produced is None:
-      have = self.prop.outputs[src][port] if port < len(self.prop.outputs[src]) else None
-      return [tensor(self.lname(src, d), port) for d in range(self.mesh.size)], have
-    whole = produced.without_partial()
-    return self.reshard(src, port, produced, whole, consumer, raw=True), whole
+    key = (src, port)
+    found = self.sources.get(key)
+    if found is None:
+      # Final once src is materialized (its aliases are set by then), and
+      # consumers come after their sources: computed once per tensor.
+      produced = self.prop.reduced_at_source.get(key)
+      if produced is None:
+        outs = self.prop.outputs[src]
+        have = outs[port] if port < len(outs) else None
+        found = ([tensor(self.lname(src, d), port) for d in range(self.mesh.size)], have)
+      else:
+        whole = produced.without_partial()
+        found = (self.reshard(src, port, produced, whole, consumer, raw=True), whole)
+      self.sources[key] = found
+    return list(found[0]), found[1]
 
   def reshard(self, src, port, have, want, consumer, raw=False, ordered=True):
     key = (src, port, want, raw)
@@ -138,52 +148,59 @@ class _Materializer(object):
     self.input_slices.extend((d, local[d]) for d in ids)
 
   def op(self, node):
-    decision = self.prop.decisions.get(node.name)
+    name = node.name
+    decision = self.prop.decisions.get(name)
     if decision is None:  # forwards a variable handle (an inlined call's argument)
       n_data = sum(1 for t in node.input if not t.startswith("^"))
-      decision = Decision([None] * n_data, [None] * max(1, len(self.shapes[node.name])))
-    data = [(i, parse_input(t)) for i, t in enumerate(node.input) if not t.startswith("^")]
-    positions = [i for i, _ in data]
-    in_infos = [self.shapes.get(f"{s}:{p}") for _, (s, p) in data]
+      decision = Decision([None] * n_data, [None] * max(1, len(self.shapes[name])))
+    data = self.graph.data_inputs(name)
+    positions = [i for i, t in enumerate(node.input) if not t.startswith("^")]
+    in_infos = [self.shapes.tensor(s, p) for s, p in data]
     resolved = []
-    for j, (_, (src, port)) in enumerate(data):
+    for j, (src, port) in enumerate(data):
       want = decision.inputs[j]
-      local, have = self.source(src, port, node.name)
+      local, have = self.source(src, port, name)
       resolved.append(local if want is None or have is None or have == want
-                      else self.reshard(src, port, have, want, node.name))
-    controls = [t[1:] for t in node.input if t.startswith("^")]
+                      else self.reshard(src, port, have, want, name))
+    controls = [(pos, t[1:]) for pos, t in enumerate(node.input) if t.startswith("^")]
     varies = any(self.r.uses_local_axis(o) for o in decision.outputs)
     writes = constants.is_write_op(node.op)
-    for d in self.place.ids_for(node.name):
+    dropped = [a for a in _DROPPED_ATTRS if a in node.attr]
+    for d in self.place.ids_for(name):
       r = self.r.rep(d)
-      same_data = all(res[d] == res[r] for res in resolved)
-      if r != d and not varies and same_data and (
-          writes or all(self.lname(c, d) == self.lname(c, r) for c in controls)):
-        self._share(node, d, r, controls)
-        continue
-      if r != d and writes and resolved and resolved[0][d] == resolved[0][r]:
-        raise PlanError(
-            f"node '{node.name}' (op {node.op}) would update the same variable once per "
-            "micro-batch (its inputs differ between micro-batches); this is a bug in "
-            "tfsplit's micro-batching, please report it")
-      new = node_def_pb2.NodeDef()
-      new.CopyFrom(node)
-      new.name, new.device = local_name(node.name, d), self.mesh.devices[d]
-      self.b.names.add(new.name)
+      if r != d:
+        same_data = all(res[d] == res[r] for res in resolved)
+        if not varies and same_data and (writes or all(
+            self.lname(c, d) == self.lname(c, r) for _, c in controls)):
+          self._share(node, d, r, [c for _, c in controls])
+          continue
+        if writes and resolved and resolved[0][d] == resolved[0][r]:
+          raise PlanError(
+              f"node '{name}' (op {node.op}) would update the same variable once per "
+              "micro-batch (its inputs differ between micro-batches); this is a bug in "
+              "tfsplit's micro-batching, please report it")
+      local = local_name(name, d)
+      if decision.localize is None:
+        # Edited in place in the output: one copy of the NodeDef, not two.
+        new = self.b.add_copy(node, local, self.mesh.devices[d], name, d)
+      else:
+        new = node_def_pb2.NodeDef()
+        new.CopyFrom(node)
+        new.name, new.device = local, self.mesh.devices[d]
+        self.b.names.add(local)
+      inputs = new.input
       for j, pos in enumerate(positions):
-        new.input[pos] = resolved[j][d]
-      for pos, text in enumerate(node.input):
-        if text.startswith("^"):
-          new.input[pos] = "^" + self.lname(text[1:], d)
-      for attr in _DROPPED_ATTRS:
-        if attr in new.attr:
-          del new.attr[attr]
+        inputs[pos] = resolved[j][d]
+      for pos, c in controls:
+        inputs[pos] = "^" + self.lname(c, d)
+      for attr in dropped:
+        del new.attr[attr]
       if decision.localize is not None:
         decision.localize(LocalizeContext(self, new, node, decision, d, positions, in_infos))
-      self.b.add(new, node.name, d)
-      for extra in self.deferred:
-        self.b.add(extra, node.name, d)
-      self.deferred = []
+        self.b.add(new, name, d)
+        for extra in self.deferred:
+          self.b.add(extra, name, d)
+        self.deferred = []
 
   def _share(self, node, d, r, controls):
     """Device d (micro-batch > 0) uses micro-batch 0's copy: an optimizer

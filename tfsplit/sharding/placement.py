@@ -3,19 +3,22 @@ from tfsplit import constants
 
 
 class Placement(object):
-  """Devices of each node under an optional stage assignment (node -> stage).
+  """Devices of each node under an optional chunk assignment (node -> chunk).
 
   With pipeline stages each node lives only on the devices whose 'pp'
-  coordinate is its stage; TF sends tensors between stages.
+  coordinate is its stage; TF sends tensors between stages. Model chunk c
+  (the layers cut into S * v contiguous chunks, v >= 1 per stage) runs on
+  stage c % S, so with one chunk per stage chunk and stage agree.
   """
 
   def __init__(self, mesh, stage_of=None):
     self.mesh = mesh
     self.pp = constants.PIPELINE_AXIS if stage_of is not None else None
     self.stage_of = stage_of or {}
+    self.stages = mesh.axes.get(constants.PIPELINE_AXIS, 1)
 
   def stage(self, name):
-    return self.stage_of.get(name, 0) if self.pp else None
+    return self.stage_of.get(name, 0) % self.stages if self.pp else None
 
   def on_stage(self, d, stage):
     """Device d's counterpart on `stage` (same other coordinates)."""

@@ -73,11 +73,13 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(
   following = [(v, slot) for v, slot in _fused_slots(graph, variables)
                if slot not in explicit]
   reduce_at_source = set()
+  static = _StaticInputs(graph, shapes)
+  memo = {}  # node -> (input shardings, handle shardings, decision, fallback message)
   for _ in range(_MAX_ROUNDS):
     for var, slot in following:
       specs[slot] = specs[var]
-    prop = _propagate_once(graph, shapes, mesh, specs, input_specs or {}, reduce_at_source)
-    needed = _partials_needed_whole(graph, prop) - reduce_at_source
+    prop = _propagate_once(static, mesh, specs, input_specs or {}, reduce_at_source, memo)
+    needed = _partials_needed_whole(static, prop) - reduce_at_source
     inferred = infer_variable_specs(graph, prop, variables, explicit)
     changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
     if not needed and not changed:
@@ -92,68 +94,108 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(
                   "annotate the variables")
 
 
-def _partials_needed_whole(graph, prop):
+class _StaticInputs(object):
+  """What every round reads per node and never changes: the topological
+  order, data inputs, static shapes, small constant inputs, variables."""
+
+  def __init__(self, graph, shapes):
+    self.graph = graph
+    self.order = graph.topological_order()
+    self.var_nodes = {n.name for n in graph.nodes if variables_lib.is_variable_node(n)}
+    consts = {}  # Const node -> its value (read-only), parsed once
+
+    def const_input(src, info):
+      src_node = graph.node(src)
+      if src_node.op == "Const" and info is not None and info.num_elements is not None \
+          and info.num_elements <= _MAX_CONST_ELEMENTS:
+        if src not in consts:
+          value = const_value(src_node)
+          value.setflags(write=False)  # shared by every rule that reads it
+          consts[src] = value
+        return consts[src]
+      return None
+
+    self.rows = []  # (name, node, data, in_infos, out_infos, const_inputs, resource)
+    get = shapes.tensor
+    for name in self.order:
+      node = graph.node(name)
+      out_infos = shapes[name] if name in shapes else []
+      if name in self.var_nodes:
+        self.rows.append((name, node, (), (), out_infos, (), ()))
+        continue
+      data = graph.data_inputs(name)
+      in_infos = tuple(get(src, port) for src, port in data)
+      self.rows.append((name, node, data, in_infos, out_infos,
+                        tuple(const_input(src, info) for (src, _), info in
+                              zip(data, in_infos)),
+                        tuple(_is_resource(info) for info in in_infos)))
+
+
+def _partials_needed_whole(static, prop):
   """(node, port) of partial tensors some consumer requires non-partial."""
   needed = set()
+  outputs = prop.outputs
   for name, decision in prop.decisions.items():
-    node = graph.node(name)
-    data = [parse_input(t) for t in node.input if not t.startswith("^")]
-    for (src, port), want in zip(data, decision.inputs):
-      have = prop.outputs[src][port] if port < len(prop.outputs[src]) else None
+    for (src, port), want in zip(static.graph.data_inputs(name), decision.inputs):
+      src_specs = outputs[src]
+      have = src_specs[port] if port < len(src_specs) else None
       if have is not None and want is not None and have.partial - want.partial:
         needed.add((src, port))
   return needed
 
 
-def _propagate_once(graph, shapes, mesh, variable_specs, input_specs, reduce_at_source):
-  order = graph.topological_order()
-  var_nodes = {n.name for n in graph.nodes if variables_lib.is_variable_node(n)}
+def _propagate_once(static, mesh, variable_specs, input_specs, reduce_at_source, memo):
+  """One forward sweep. A rule decides from what its op's inputs arrive in
+  (all else about the op is fixed), so an op whose inputs arrive as in the
+  last round keeps its decision (`memo`) instead of asking the rule again."""
+  var_nodes = static.var_nodes
   outputs, decisions, handle_source, fallbacks, reduced = {}, {}, {}, [], {}
   for name in var_nodes:
     handle_source[name] = name
-  for name in order:
-    node = graph.node(name)
-    out_infos = shapes[name] if name in shapes else []
+  for name, node, data, in_infos, out_infos, const_inputs, resource in static.rows:
     if name in var_nodes:
       outputs[name] = [None]
       continue
-    data = [parse_input(t) for t in node.input if not t.startswith("^")]
-    in_infos = [shapes.get(f"{s}:{p}") for s, p in data]
-    in_specs, handle_specs, const_inputs = [], [], []
-    for (src, port), info in zip(data, in_infos):
+    in_specs, handle_specs = [], []
+    for (src, port), is_resource in zip(data, resource):
       src_specs = outputs[src]
       spec = src_specs[port] if port < len(src_specs) else None
-      if _is_resource(info) or spec is None:
+      if is_resource or spec is None:
         in_specs.append(None)
         source = handle_source.get(src)
         handle_specs.append(variable_specs.get(source) if source else None)
       else:
         in_specs.append(spec)
         handle_specs.append(None)
-      src_node = graph.node(src)
-      if src_node.op == "Const" and info is not None and info.num_elements is not None \
-          and info.num_elements <= _MAX_CONST_ELEMENTS:
-        const_inputs.append(const_value(src_node))
-      else:
-        const_inputs.append(None)
-    if node.op in _HANDLE_PASSTHROUGH and data and all(_is_resource(i) for i in in_infos):
+    if node.op in _HANDLE_PASSTHROUGH and data and all(resource):
       handle_source[name] = handle_source.get(data[0][0])
       outputs[name] = [None] * max(1, len(out_infos))
       continue
     if node.op == "Placeholder" and name in input_specs:
       decision = Decision([], [input_specs[name]])
     else:
-      ctx = OpContext(node, mesh, in_specs, in_infos, out_infos, const_inputs,
-                      handle_specs)
-      decision = _decide(ctx, fallbacks)
+      key = (tuple(in_specs), tuple(handle_specs))
+      known = memo.get(name)
+      if known is not None and known[0] == key:
+        decision, message = known[1], known[2]
+        if message is not None:
+          fallbacks.append(message)
+      else:
+        ctx = OpContext(node, mesh, in_specs, list(in_infos), out_infos,
+                        list(const_inputs), handle_specs)
+        count = len(fallbacks)
+        decision = _decide(ctx, fallbacks)
+        memo[name] = (key, decision, fallbacks[-1] if len(fallbacks) > count else None)
     decisions[name] = decision
-    outputs[name] = list(decision.outputs)
-    for port, spec in enumerate(outputs[name]):
-      if spec is not None and spec.partial and (name, port) in reduce_at_source:
-        reduced[(name, port)] = spec
-        outputs[name][port] = spec.without_partial()
+    outs = list(decision.outputs)
+    outputs[name] = outs
+    if reduce_at_source:
+      for port, spec in enumerate(outs):
+        if spec is not None and spec.partial and (name, port) in reduce_at_source:
+          reduced[(name, port)] = spec
+          outs[port] = spec.without_partial()
   return Propagation(decisions, outputs, handle_source, dict(variable_specs),
-                     fallbacks, order, reduced)
+                     fallbacks, static.order, reduced)
 
 
 def _decide(ctx, fallbacks):
@@ -209,21 +251,26 @@ def infer_variable_specs(graph, prop, variables, explicit):
   sharding keeps the variable local instead of gathering its updates.
   """
   candidates = {v.node: set() for v in variables if v.node not in explicit and v.shape}
-  for node in graph.nodes:
-    decision = prop.decisions.get(node.name)
-    if decision is None:
-      continue
-    data = [t for t in node.input if not t.startswith("^")]
-    for j, text in enumerate(data):
-      src, _ = parse_input(text)
-      src_node = graph.node(src)
-      if src_node.op == "ReadVariableOp":
-        handle = prop.handle_source.get(parse_input(src_node.input[0])[0])
-        if handle in candidates and j < len(decision.inputs) and decision.inputs[j]:
-          candidates[handle].add(decision.inputs[j].dims)
-      if node.op in constants.ASSIGN_OPS and j == 1:
-        handle = prop.handle_source.get(parse_input(data[0])[0])
-        value = prop.spec(text)
+  if not candidates:
+    return {}
+  handle_source, outputs = prop.handle_source, prop.outputs
+  read_of = {}  # ReadVariableOp -> the handle node behind it
+  for name, decision in prop.decisions.items():
+    node = graph.node(name)
+    data = graph.data_inputs(name)
+    is_assign = node.op in constants.ASSIGN_OPS
+    for j, (src, port) in enumerate(data):
+      if src not in read_of:
+        src_node = graph.node(src)
+        read_of[src] = (handle_source.get(parse_input(src_node.input[0])[0])
+                        if src_node.op == "ReadVariableOp" else None)
+      handle = read_of[src]
+      if handle is not None and handle in candidates and j < len(decision.inputs) and \
+          decision.inputs[j]:
+        candidates[handle].add(decision.inputs[j].dims)
+      if is_assign and j == 1:
+        handle = handle_source.get(data[0][0])
+        value = outputs[src][port]
         if handle in candidates and value is not None:
           candidates[handle].add(value.dims)
   found = {}

@@ -1,0 +1,403 @@
+"""Gradient buckets: one all-reduce per bucket of gradients, not per tensor.
+
+    records = bucket_gradients(materialized, analysis, propagation, mesh,
+                               data_axes=["dp"], bucket_bytes=25 * 2**20)
+
+After materialization every gradient is all-reduced over the data axis by a
+CollectiveReduceV2 of its own, and each collective has a fixed cost (launch,
+rendezvous, a ring of its own), which dominates for the many small tensors of
+a model. As DDP's buckets, Horovod's tensor fusion and MirroredStrategy's
+packing do, the gradients are packed: per collective group, in the order
+backward produces them, into buckets of at most `bucket_bytes` (one dtype
+each). A bucket flattens its members, concatenates them, all-reduces once
+(same group, merge and final op, timeout and hint) and splits the result back
+into the members' shapes; the original collective node becomes the Reshape
+that gives its consumers their tensor, so nothing else is rewired.
+
+Every member of a group must issue the same buckets in the same order, or
+the collectives deadlock or mix tensors up. So every decision is made per
+collective instance ((group key, instance key), shared by the group's
+members), from what all members share: the original tensor reduced, its
+global shape and sharding, its place in the original graph, the instance key.
+
+A bucket launches when its last member is ready: no ordering is added. An
+all-reduce whose input depends on the result of another gradient all-reduce
+stays alone (packing the two would make a cycle).
+"""
+import collections
+import dataclasses
+import types
+import zlib
+from typing import Tuple
+
+import numpy as np
+from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
+from tensorflow.python.framework import tensor_util
+
+from tfsplit import constants
+from tfsplit.errors import PlanError
+from tfsplit.graph.ir import parse_input
+from tfsplit.sharding.builder import NodeRecord, safe_axis, stamp_records
+from tfsplit.sharding.reshard import CollectiveRecord
+
+BUCKET = "bucket"   # CollectiveRecord.kind of a bucket
+_OP = "CollectiveReduceV2"
+# Attrs the members of one bucket must share (the bucket's collective copies them).
+_SHARED_ATTRS = ("T", "merge_op", "final_op", "communication_hint", "timeout_seconds",
+                 "Nordering_token")
+# Bucket instance keys: bit 30 set keeps them apart from the Resharder's keys.
+_KEY_BIT = 0x40000000
+
+
+@dataclasses.dataclass
+class BucketRecord(CollectiveRecord):
+  """One bucket of one group: `tensor` is the prefix of the bucket's nodes,
+  `num_elements` the global elements of its members, `consumer` empty. The
+  members' own all-reduce records stay (each tensor is still all-reduced
+  once, inside its bucket), so count('all_reduce') counts tensors reduced and
+  count('bucket') the collectives that carry them."""
+  members: Tuple[str, ...] = ()    # the original tensors, in bucket order
+  devices: Tuple[int, ...] = ()    # the group's logical device ids
+  local_bytes: int = 0             # bytes each device puts in
+
+
+@dataclasses.dataclass
+class _Instance:
+  """One gradient all-reduce, as every member of its group sees it."""
+  axis: str
+  group: Tuple[int, ...]           # member logical device ids
+  group_key: int
+  key: int                         # instance key
+  nodes: dict                      # device id -> collective node name
+  source: str
+  tensor: str
+  local_shape: Tuple[int, ...]
+  dtype: int
+  attrs: tuple
+  position: tuple                  # (depth, topological index) in the original graph
+  global_elements: int
+  elements: int = 0                # local elements
+  bytes: int = 0                   # local bytes
+
+  def __post_init__(self):
+    self.elements = int(np.prod(self.local_shape, dtype=np.int64))
+    self.bytes = self.elements * dtypes.as_dtype(self.dtype).size
+
+
+def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes):
+  """Packs the gradient all-reduces over `data_axes` of `out` (a Materialized)
+  into buckets of at most `bucket_bytes`, in place; returns a BucketRecord per
+  bucket of two or more tensors (single ones stay as they are)."""
+  if bucket_bytes <= 0 or not data_axes:
+    return []
+  nodes = {n.name: n for n in out.graph_def.node}
+  consumers = collections.defaultdict(list)   # name -> [(consumer, is data edge)]
+  for node in out.graph_def.node:
+    for text in node.input:
+      consumers[_node_of(text)].append((node.name, text[0] != "^"))
+  instances = _gradient_instances(out, nodes, consumers, analysis, propagation, mesh,
+                                  data_axes)
+  if not instances:
+    return []
+  used_keys = {_int_const(nodes, n.input[3]) for n in nodes.values()
+               if n.op.startswith("Collective") and len(n.input) > 3}
+  names = set(nodes)
+  by_group = collections.defaultdict(list)
+  for inst in instances:
+    by_group[(inst.axis, inst.group)].append(inst)
+  emitter = _Emitter(out, nodes, names, consumers)
+  records = []
+  for group_index, (axis, group) in enumerate(sorted(by_group)):
+    for index, bucket in enumerate(pack(by_group[(axis, group)], bucket_bytes)):
+      key = _instance_key(bucket, used_keys)
+      base = f"gradient_buckets/{safe_axis(axis)}/group_{group_index}/bucket_{index}"
+      emitter.emit(bucket, key, base)
+      records.append(BucketRecord(
+          BUCKET, axis, base, "", sum(i.global_elements for i in bucket),
+          tuple(i.tensor for i in bucket), group, sum(i.bytes for i in bucket)))
+  emitter.finish()
+  return records
+
+
+def pack(instances, bucket_bytes):
+  """Buckets (lists of 2 or more instances) of `instances` of one group, in
+  the order backward produces them; a tensor over the cap stays alone."""
+  buckets, open_buckets, filled = [], {}, {}
+  for inst in sorted(instances, key=lambda i: (i.position, i.key)):
+    current = open_buckets.get(inst.attrs)
+    if current and filled[inst.attrs] + inst.bytes > bucket_bytes:
+      buckets.append(current)
+      current = None
+    if current is None:
+      current = open_buckets[inst.attrs] = []
+      filled[inst.attrs] = 0
+    current.append(inst)
+    filled[inst.attrs] += inst.bytes
+  buckets.extend(open_buckets.values())
+  buckets = [b for b in buckets if len(b) > 1]
+  buckets.sort(key=lambda b: (b[-1].position, b[-1].key))
+  return buckets
+
+
+def _gradient_instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
+  """[_Instance] of the all-reduces over `data_axes` of gradients whose
+  results feed variable updates and whose inputs depend on no other of them."""
+  groups = {a: {tuple(m) for m in mesh.groups(a)} for a in data_axes}
+  by_key = collections.defaultdict(list)
+  for node in out.graph_def.node:
+    if node.op != _OP or len(node.input) != 4:  # no ordering tokens, no control inputs
+      continue
+    record = out.records.get(node.name)
+    group_key, key = _int_const(nodes, node.input[2]), _int_const(nodes, node.input[3])
+    if record is None or record.device_id is None or group_key is None or key is None:
+      continue
+    by_key[(group_key, key)].append((record.device_id, node.name))
+  ports = collections.defaultdict(set)   # (source, axis) -> ports all-reduced
+  for c in out.collectives:
+    if c.kind == "all_reduce" and c.axis in data_axes:
+      src, port = parse_input(c.tensor)
+      ports[(src, c.axis)].add(port)
+  position = _positions(analysis.graph)
+  candidates = []
+  for (group_key, key), members in sorted(by_key.items()):
+    group = tuple(sorted(d for d, _ in members))
+    axis = next((a for a in data_axes if group in groups[a]), None)
+    if axis is None or len(set(group)) != len(members):
+      continue
+    member_nodes = {d: name for d, name in members}
+    first = nodes[member_nodes[group[0]]]
+    sources = {out.records[name].source for name in member_nodes.values()}
+    if len(sources) != 1 or _int_const(nodes, first.input[1]) != len(group):
+      continue
+    source = sources.pop()
+    if source not in position or analysis.roles.get(source) not in (constants.BACKWARD, constants.UPDATE) or \
+        len(ports[(source, axis)]) != 1 or \
+        not all(_feeds_update(name, nodes, consumers) for name in member_nodes.values()):
+      continue
+    port = next(iter(ports[(source, axis)]))
+    shape = _local_shape(analysis, propagation, mesh, source, port, axis)
+    dtype = first.attr["T"].type
+    if shape is None or dtype != analysis.shapes[source][port].dtype or \
+        dtype in (types_pb2.DT_BOOL, types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT):
+      continue
+    attrs = _attrs(first)
+    if any(_attrs(nodes[n]) != attrs for n in member_nodes.values()):
+      continue
+    candidates.append(_Instance(
+        axis, group, group_key, key, member_nodes, source,
+        source if port == 0 else f"{source}:{port}", shape, dtype, attrs,
+        position[source], analysis.shapes[source][port].num_elements or 0))
+  # Packing an all-reduce with one whose result it depends on is a cycle:
+  # such an all-reduce is left alone.
+  after = _descendants([n for c in candidates for n in c.nodes.values()], consumers)
+  return [c for c in candidates
+          if not any(_node_of(t) in after for n in c.nodes.values()
+                     for t in nodes[n].input)]
+
+
+def _attrs(node):
+  return tuple(node.attr[a].SerializeToString() if a in node.attr else b""
+               for a in _SHARED_ATTRS)
+
+
+def _local_shape(analysis, propagation, mesh, source, port, axis):
+  """Static per-device shape of the partial sum the all-reduce over `axis`
+  takes, or None. It is reduced first (materialize.py, reshard.py), before
+  any dimension moves, from the sharding the tensor is produced in."""
+  spec = propagation.reduced_at_source.get((source, port))
+  if spec is None:
+    outs = propagation.outputs.get(source) or []
+    spec = outs[port] if port < len(outs) else None
+  info = analysis.shapes[source][port] if port < len(analysis.shapes[source]) else None
+  if spec is None or info is None or not info.fully_defined:
+    return None
+  partial = sorted(spec.partial)
+  mine = [a for a in partial if axis in mesh.axis_parts(a)]
+  # A reduction over another real axis first could change the split (a
+  # reduce-scatter on GPUs): then the shape is not known here.
+  if not mine or any(mesh.axes.get(p, 1) > 1 and not mesh.is_local(p)
+                     for a in partial[:partial.index(mine[0])]
+                     for p in mesh.axis_parts(a)):
+    return None
+  try:
+    return tuple(spec.local_shape(info.shape, mesh))
+  except PlanError:
+    return None
+
+
+def _positions(graph):
+  """{node: (longest path from an input, topological index)}: when backward
+  produces a tensor, the same on every device."""
+  depth, out = {}, {}
+  for index, name in enumerate(graph.topological_order()):
+    node = graph.node(name)
+    depth[name] = 1 + max((depth.get(parse_input(t)[0], 0) for t in node.input), default=0)
+    out[name] = (depth[name], index)
+  return out
+
+
+def _feeds_update(start, nodes, consumers):
+  """True if `start`'s value flows (through data edges) into a variable write."""
+  seen, stack = {start}, [start]
+  while stack:
+    for c, data in consumers.get(stack.pop(), ()):
+      if data and c not in seen:
+        if constants.is_write_op(nodes[c].op):
+          return True
+        seen.add(c)
+        stack.append(c)
+  return False
+
+
+def _descendants(starts, consumers):
+  seen, stack = set(), list(starts)
+  while stack:
+    for c, _ in consumers.get(stack.pop(), ()):
+      if c not in seen:
+        seen.add(c)
+        stack.append(c)
+  return seen
+
+
+def _node_of(text):
+  """'^a' / 'a:1' / 'a' -> 'a' (node names hold no ':')."""
+  return text.lstrip("^").split(":", 1)[0]
+
+
+def _int_const(nodes, text):
+  """The value of a scalar integer Const, or None."""
+  node = nodes.get(_node_of(text))
+  if node is None or node.op != "Const":
+    return None
+  proto = node.attr["value"].tensor
+  if proto.tensor_shape.dim:
+    return None
+  if proto.int_val:
+    return int(proto.int_val[0])
+  value = tensor_util.MakeNdarray(proto)
+  return int(value) if value.size == 1 and value.dtype.kind in "iu" else None
+
+
+def _instance_key(bucket, used):
+  """An instance key fixed by the bucket's group, members and local shapes
+  (TF caches a collective's shape per key in a process: a different bucket
+  must get a different key), clear of every other key of the graph."""
+  text = repr((bucket[0].group_key, bucket[0].dtype,
+               [(i.tensor, i.local_shape) for i in bucket]))
+  key = _KEY_BIT | (zlib.crc32(text.encode()) & (_KEY_BIT - 1))
+  while key in used:
+    key = _KEY_BIT | ((key + 1) & (_KEY_BIT - 1))
+  used.add(key)
+  return key
+
+
+class _Emitter(object):
+  """Writes buckets into a Materialized graph and its records."""
+
+  def __init__(self, out, nodes, names, consumers):
+    self.out, self.nodes, self.names, self.consumers = out, nodes, names, consumers
+    self.new_records, self.dead_inputs, self.kept, self.rewritten = {}, set(), set(), set()
+
+  def unique(self, base):
+    name, i = base, 0
+    while name in self.names:
+      i += 1
+      name = f"{base}_{i}"
+    self.names.add(name)
+    return name
+
+  def add(self, node, source=None, device_id=None, shared=False):
+    self.out.graph_def.node.add().CopyFrom(node)
+    self.nodes[node.name] = self.out.graph_def.node[-1]
+    if source is not None:
+      self.new_records[node.name] = NodeRecord(source, device_id, shared)
+    return node.name
+
+  def const(self, base, value, device):
+    """An int32 Const (a scalar or a list), written without make_tensor_proto:
+    a bucket adds a few per member."""
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Const", device=device)
+    node.attr["dtype"].type = types_pb2.DT_INT32
+    proto = node.attr["value"].tensor
+    proto.dtype = types_pb2.DT_INT32
+    values = [int(v) for v in np.atleast_1d(value)]
+    if np.ndim(value):
+      proto.tensor_shape.dim.add().size = len(values)
+    proto.int_val.extend(values)
+    return self.add(node)
+
+  def op(self, base, op, device, inputs, attrs, record):
+    node = node_def_pb2.NodeDef(name=self.unique(base), op=op, device=device, input=inputs)
+    for name, value in attrs.items():
+      if isinstance(value, int):
+        node.attr[name].i = value
+      else:
+        node.attr[name].type = value[0]
+    return self.add(node, *record)
+
+  def emit(self, bucket, key, base):
+    for d in bucket[0].group:
+      self.emit_on(d, bucket, key, f"{base}/shard_{d}")
+
+  def emit_on(self, d, bucket, key, where):
+    """Device d's part of `bucket` (every member the same, in the same order)."""
+    dtype, int32 = bucket[0].dtype, types_pb2.DT_INT32
+    members = [self.nodes[i.nodes[d]] for i in bucket]
+    first, device = members[0], members[0].device
+    last = (bucket[-1].source, d, any(self.out.records[m.name].shared for m in members))
+    flats = []
+    for k, (inst, member) in enumerate(zip(bucket, members)):
+      mine = self.out.records[member.name]
+      flats.append(self.op(
+          f"{where}/flat_{k}", "Reshape", device,
+          [member.input[0], self.const(f"{where}/flat_{k}/shape", [inst.elements], device)],
+          {"T": (dtype,), "Tshape": (int32,)}, (mine.source, d, mine.shared)))
+    axis = self.const(f"{where}/axis", 0, device)
+    concat = self.op(f"{where}/concat", "ConcatV2", device, flats + [axis],
+                     {"T": (dtype,), "N": len(flats), "Tidx": (int32,)}, last)
+    reduce_node = node_def_pb2.NodeDef()
+    reduce_node.CopyFrom(first)
+    reduce_node.name = self.unique(f"{where}/all_reduce")
+    del reduce_node.input[:]
+    reduce_node.input.extend([concat, first.input[1], first.input[2],
+                              self.const(f"{where}/instance_key", key, device)])
+    for attr in [a for a in reduce_node.attr if a.startswith("_tfsplit")]:
+      del reduce_node.attr[attr]
+    self.add(reduce_node, *last)
+    self.kept.update(_node_of(t) for t in first.input[1:3])
+    split = self.op(f"{where}/split", "SplitV", device,
+                    [reduce_node.name,
+                     self.const(f"{where}/split/sizes", _split_sizes(bucket), device), axis],
+                    {"T": (dtype,), "Tlen": (int32,), "num_split": len(bucket)}, last)
+    for k, (inst, member) in enumerate(zip(bucket, members)):
+      self.dead_inputs.update(_node_of(t) for t in member.input[1:])
+      self.rewritten.add(member.name)
+      # The collective node becomes its member's Reshape, under its name and
+      # record: consumers, control edges and output copies stay valid.
+      shape = self.const(f"{where}/shape_{k}", list(inst.local_shape), device)
+      member.op = "Reshape"
+      for attr in [a for a in member.attr if not a.startswith("_tfsplit")]:
+        del member.attr[attr]
+      member.attr["T"].type = dtype
+      member.attr["Tshape"].type = int32
+      del member.input[:]
+      member.input.extend([f"{split}:{k}" if k else split, shape])
+
+  def finish(self):
+    """Drops the members' now unused key constants; records the new nodes."""
+    dead = {n for n in self.dead_inputs - self.kept if self.nodes[n].op == "Const" and
+            all(c in self.rewritten for c, _ in self.consumers.get(n, ()))}
+    stamp_records(types.SimpleNamespace(node=[self.nodes[n] for n in self.new_records]),
+                  self.new_records)
+    self.out.records.update(self.new_records)
+    graph_def = self.out.graph_def
+    for i in reversed([i for i, n in enumerate(graph_def.node) if n.name in dead]):
+      del graph_def.node[i]
+    for name in dead:
+      self.out.records.pop(name, None)
+
+
+def _split_sizes(bucket):
+  return [i.elements for i in bucket]

@@ -1,0 +1,205 @@
+"""Benchmark: training-step time of tfsplit's data parallelism against
+tf.distribute.MirroredStrategy, with and without gradient buckets.
+
+In one process, on logical devices configured before TensorFlow starts (CPUs
+by default), for one example model (default: the Keras 3 GPT, small) at one
+global batch, measures ms per training step of:
+
+  one device            the example's own tf.function step
+  mirrored dp=2         MirroredStrategy over 2 devices: a fresh instance of the
+                        same example built under strategy.scope(), stepped with
+                        strategy.run (Keras sums the replicas' gradients)
+  tfsplit dp=2          buckets of --bucket_mb MiB (the default), and 0 (one
+                        all-reduce per gradient)
+  tfsplit dp=2,tp=2     4 devices, buckets of --bucket_mb MiB
+
+Inputs are placed once before timing. Every configuration is warmed up
+(tracing, Grappler), then measured in --rounds rounds of --steps steps each,
+the configurations taking turns within a round so that load from other
+processes spreads over all of them. The median over every measured step is
+reported with its 10th-90th percentile spread and the spread of the round
+medians, each as a ratio to its baseline: dp=2 vs MirroredStrategy, dp=2,tp=2
+vs bucketed dp=2, one device vs nothing. The data-axis all-reduces per device
+in each tfsplit graph are printed beside it.
+
+tfsplit's collectives run without a timeout here by default, as
+MirroredStrategy's do (--collective_timeout): with one, TensorFlow starts
+watchdog threads for every collective run, which live as long as the timeout.
+
+    python tools/bench_step.py [--model gpt_keras3] [--size small] [--batch 16]
+        [--steps 20] [--rounds 5] [--warmup 3] [--bucket_mb 25] [--devices 4]
+        [--collective_timeout 0]
+"""
+import collections
+import os
+import statistics
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+from absl import app  # pylint: disable=g-import-not-at-top
+from absl import flags  # pylint: disable=g-import-not-at-top
+from absl import logging  # pylint: disable=g-import-not-at-top
+
+from benchlib import define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+FLAGS = flags.FLAGS
+define_example_flags("small")
+FLAGS.set_default("model", "gpt_keras3")
+flags.DEFINE_integer("batch", 16, "Global batch (divisible by 4).", lower_bound=4)
+flags.DEFINE_integer("steps", 20, "Measured steps per configuration and round.",
+                     lower_bound=1)
+flags.DEFINE_integer("rounds", 5, "Rounds; the configurations take turns in each.",
+                     lower_bound=1)
+flags.DEFINE_integer("warmup", 3, "Unmeasured steps per configuration first.",
+                     lower_bound=1)
+flags.DEFINE_float("bucket_mb", 25.0, "Gradient bucket size (MiB) of the bucketed runs.")
+flags.DEFINE_float("collective_timeout", 0.0,
+                   "Timeout (s) of tfsplit's collectives; 0: none, as MirroredStrategy's "
+                   "default. With a timeout TF starts a watchdog thread per collective "
+                   "run that lives that long, so hundreds of steps of hundreds of "
+                   "collectives pile up threads.", lower_bound=0.0)
+flags.DEFINE_integer("devices", 4, "Logical devices to configure (at least 4).",
+                     lower_bound=4)
+flags.DEFINE_enum("device_type", "CPU", ["CPU", "GPU"],
+                  "Device type; logical CPUs, or the first GPU split into logical GPUs.")
+flags.DEFINE_integer("gpu_memory_mb", 4096, "Memory per logical GPU.")
+
+
+def _configure_devices():
+  """Logical devices, before anything starts the TensorFlow runtime."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  physical = tf.config.list_physical_devices(FLAGS.device_type)
+  if not physical:
+    raise SystemExit(f"no {FLAGS.device_type} device")
+  extra = {"memory_limit": FLAGS.gpu_memory_mb} if FLAGS.device_type == "GPU" else {}
+  tf.config.set_logical_device_configuration(
+      physical[0], [tf.config.LogicalDeviceConfiguration(**extra)] * FLAGS.devices)
+  return [d.name for d in tf.config.list_logical_devices(FLAGS.device_type)]
+
+
+def _mirrored_step(devices, inputs):
+  """(step, per-replica args) of MirroredStrategy over `devices`, on a fresh
+  instance of the example built under its scope."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  from models import common  # pylint: disable=import-outside-toplevel
+  strategy = tf.distribute.MirroredStrategy(devices=devices)
+  n = strategy.num_replicas_in_sync
+  with strategy.scope():
+    ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  model, optimizer = ex.model, ex.optimizer
+  variables = list(model.trainable_variables)
+
+  @tf.function(autograph=False)
+  def step(*args):
+    def replica(*local):
+      with tf.GradientTape() as tape:
+        # Each replica's mean over its share; Keras sums the replicas' gradients.
+        loss = common.sparse_xent(local[-1], model(local[0], training=True)) / n
+      grads = tape.gradient(loss, variables)
+      optimizer.apply_gradients(zip(grads, variables))
+      return loss
+    return strategy.reduce(tf.distribute.ReduceOp.SUM,
+                           strategy.run(replica, args=args), axis=None)
+
+  share = FLAGS.batch // n
+
+  def values(x):
+    return strategy.experimental_distribute_values_from_function(
+        lambda ctx: tf.constant(x[ctx.replica_id_in_sync_group * share:
+                                  (ctx.replica_id_in_sync_group + 1) * share]))
+  return step, [values(x) for x in inputs]
+
+
+def _dp_reduces(result):
+  """CollectiveReduceV2 over 'dp' per device (max over devices) in a split graph."""
+  from tensorflow.python.framework import tensor_util  # pylint: disable=import-outside-toplevel
+  nodes = {n.name: n for n in result.graph_def.node}
+
+  def value(text):
+    return int(tensor_util.MakeNdarray(nodes[text.split(":")[0]].attr["value"].tensor))
+  members = collections.defaultdict(list)
+  for n in result.graph_def.node:
+    if n.op == "CollectiveReduceV2":
+      members[(value(n.input[2]), value(n.input[3]))].append(result.records[n.name].device_id)
+  dp_groups = {tuple(g) for g in result.mesh.groups("dp")}
+  per_device = collections.Counter(d for ids in members.values()
+                                   if tuple(sorted(ids)) in dp_groups for d in ids)
+  return max(per_device.values()) if per_device else 0
+
+
+def _timed(fn, args):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  np.asarray(fn(*args))
+  return time.perf_counter() - t0
+
+
+def _percentile(values, q):
+  ordered = sorted(values)
+  return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  devices = _configure_devices()
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  import tfsplit  # pylint: disable=import-outside-toplevel
+
+  ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  inputs = ex.make_inputs("train", seed=1)
+  placed = [tf.constant(x) for x in inputs]
+  names = list(zip(ex.all_variables(), ex.variable_names()))
+  bucket = int(round(FLAGS.bucket_mb * 2**20))
+
+  def split(mesh, bucket_bytes):
+    step = tfsplit.split(ex.train_step, mesh=mesh, input_signature=ex.train_signature,
+                         variable_names=names, bucket_bytes=bucket_bytes,
+                         timeout_seconds=FLAGS.collective_timeout)
+    return step, placed, _dp_reduces(step.result)
+
+  mirrored, mirrored_args = _mirrored_step(devices[:2], inputs)
+  # name: (step, args, dp all-reduces per device, baseline name)
+  configs = collections.OrderedDict()
+  configs["one device"] = (ex.train_step, placed, None, None)
+  configs["mirrored dp=2"] = (mirrored, mirrored_args, None, None)
+  configs[f"tfsplit dp=2 buckets {FLAGS.bucket_mb:g} MiB"] = \
+      split("dp=2", bucket) + ("mirrored dp=2",)
+  configs["tfsplit dp=2 no buckets"] = split("dp=2", 0) + ("mirrored dp=2",)
+  configs[f"tfsplit dp=2,tp=2 buckets {FLAGS.bucket_mb:g} MiB"] = \
+      split("dp=2,tp=2", bucket) + (f"tfsplit dp=2 buckets {FLAGS.bucket_mb:g} MiB",)
+
+  for fn, args, _, _ in configs.values():
+    for _ in range(FLAGS.warmup):
+      _timed(fn, args)
+  samples = {name: [] for name in configs}
+  round_medians = {name: [] for name in configs}
+  for _ in range(FLAGS.rounds):
+    for name, (fn, args, _, _) in configs.items():
+      times = [_timed(fn, args) for _ in range(FLAGS.steps)]
+      samples[name] += times
+      round_medians[name].append(statistics.median(times))
+
+  median = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
+  print(f"{FLAGS.model} {FLAGS.size}, global batch {FLAGS.batch}, {FLAGS.device_type} "
+        f"logical devices, {FLAGS.rounds} rounds x {FLAGS.steps} steps after "
+        f"{FLAGS.warmup} warm-up steps, {os.cpu_count()} cores, tfsplit collective "
+        f"timeout {FLAGS.collective_timeout:g} s")
+  header = (f"{'configuration':<34} {'ms/step':>8} {'p10':>7} {'p90':>7} "
+            f"{'rounds min-max':>15} {'dp AR/dev':>9}  ratio")
+  print(header)
+  print("-" * len(header))
+  for name, (_, _, reduces, baseline) in configs.items():
+    s = [t * 1e3 for t in samples[name]]
+    rounds = [t * 1e3 for t in round_medians[name]]
+    ratio = f"{median[name] / median[baseline]:.2f} x {baseline}" if baseline else ""
+    print(f"{name:<34} {median[name]:>8.2f} {_percentile(s, 0.1):>7.2f} "
+          f"{_percentile(s, 0.9):>7.2f} {min(rounds):>7.2f}-{max(rounds):<7.2f} "
+          f"{'' if reduces is None else reduces:>9}  {ratio}")
+
+
+if __name__ == "__main__":
+  app.run(main)
