@@ -9,12 +9,15 @@ from tensorflow.core.protobuf import meta_graph_pb2
 from tfsplit.graph.ir import Graph
 
 
-def metagraph_fetching_sinks(graph_def, graph=None):
-  """A MetaGraphDef of `graph_def` whose train_op collection holds every sink."""
+def metagraph_fetching_sinks(graph_def, graph=None, metagraph=None):
+  """A MetaGraphDef of `graph_def` whose train_op collection holds every sink
+  (of `graph`, its index, by default). `metagraph`: one whose graph_def the
+  caller filled already (no copy of `graph_def` is made)."""
   graph = graph or Graph(graph_def)
-  metagraph = meta_graph_pb2.MetaGraphDef()
-  metagraph.graph_def.CopyFrom(graph_def)
-  sinks = [n.name for n in graph.nodes if not graph.consumers(n.name)]
+  if metagraph is None:
+    metagraph = meta_graph_pb2.MetaGraphDef()
+    metagraph.graph_def.CopyFrom(graph_def)
+  sinks = [n for n in graph.node_names() if not graph.has_consumers(n)]
   metagraph.collection_def["train_op"].node_list.value.extend(
       sinks or graph.node_names())
   return metagraph

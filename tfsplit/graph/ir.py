@@ -88,6 +88,7 @@ def element_count(shape):
 class Graph(object):
   """Indexed view over a GraphDef; the GraphDef's NodeDefs are shared."""
 
+  @without_gc
   def __init__(self, graph_def):
     self._graph_def = graph_def
     self.library = graph_def.library
@@ -150,10 +151,14 @@ class Graph(object):
     """((source_name, port), ...) of the data inputs of node `name`, parsed
     once per graph (every pass reads them many times)."""
     if self._data_inputs is None:
-      self._data_inputs = {n: tuple(_parse_data(node.input))
-                           for n, node in self._nodes.items()}
+      self._data_inputs = self._parse_all()
     return self._data_inputs[name]
 
+  @without_gc
+  def _parse_all(self):
+    return {n: tuple(_parse_data(node.input)) for n, node in self._nodes.items()}
+
+  @without_gc
   def _build_consumers(self):
     consumers = collections.defaultdict(list)
     for node in self._nodes.values():
@@ -235,9 +240,11 @@ class Graph(object):
     names = list(nodes)
     index = {name: i for i, name in enumerate(names)}
     loop_back = {i for i, node in enumerate(nodes.values()) if node.op in _LOOP_BACK_OPS}
+    if self._in_order(index, loop_back):
+      # Every input comes earlier already: Kahn's order below would be this one.
+      return names
     pending = [0] * len(names)
     children = [[] for _ in names]
-    in_order = True
     for i, node in enumerate(nodes.values()):
       count = 0
       for text in node.input:
@@ -254,14 +261,9 @@ class Graph(object):
               f"'{src}' exists; the graph is incomplete or was cut badly")
         if j in loop_back:
           continue
-        if j >= i:
-          in_order = False
         children[j].append(i)
         count += 1
       pending[i] = count
-    if in_order:
-      # Every input comes earlier already: the order below would be this one.
-      return names
     import heapq  # pylint: disable=import-outside-toplevel
     ready = [i for i, c in enumerate(pending) if c == 0]  # sorted: a valid heap
     order = []
@@ -281,6 +283,19 @@ class Graph(object):
           f"{self._nodes[cycle[0]].op}): {' -> '.join(cycle)}; a GraphDef "
           "must be acyclic (except TF1 while loops through NextIteration)")
     return [names[i] for i in order]
+
+  def _in_order(self, index, loop_back):
+    """Whether every node's inputs (but loop back edges) come before it."""
+    for i, node in enumerate(self._nodes.values()):
+      for text in node.input:
+        if text[:1] == "^":
+          text = text[1:]
+        elif ":" in text:
+          text = parse_input(text)[0]
+        j = index.get(text)
+        if j is None or (j >= i and j not in loop_back):
+          return False  # a missing input is reported by the full pass
+    return True
 
   def _find_cycle(self, stuck):
     """A cycle among `stuck` nodes, as a list of names (for error messages)."""

@@ -16,6 +16,7 @@ from absl import logging
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow.core.grappler.costs import op_performance_data_pb2
+from tensorflow.core.protobuf import meta_graph_pb2
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import errors as tf_errors
 from tensorflow.python.framework import tensor_shape
@@ -24,7 +25,6 @@ from tensorflow.python.grappler import item as grappler_item
 from tfsplit.errors import GraphValidationError
 from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.grappler import metagraph_fetching_sinks
 from tfsplit.graph.ir import Graph, element_count, parse_input, without_gc
 
 
@@ -93,51 +93,66 @@ def _tensor_info(props):
 _SHAPE_SOURCE = "/_tfsplit_shape_source"  # suffix of the copy's added nodes
 
 
-def _inference_copy(graph, var_shapes):
-  """A GraphDef for inference: captures become VarHandleOps, no devices."""
-  out = graph_pb2.GraphDef()
-  out.versions.CopyFrom(graph.versions)
-  out.library.CopyFrom(graph.library)
-  for node in graph.nodes:
-    new = out.node.add()
-    known = var_shapes.get(node.name)
-    if node.op == "Placeholder" and known is not None:
-      dtype, shape = known
-      new.name = node.name
-      new.op = "VarHandleOp"
-      new.attr["dtype"].type = dtype
-      new.attr["shape"].shape.CopyFrom(tensor_shape.TensorShape(shape).as_proto())
-      new.attr["shared_name"].s = node.name.encode()
-      new.attr["container"].s = b""
+def _inference_copy(graph, var_shapes, out=None):
+  """A GraphDef for inference (`out`, filled in): captures become
+  VarHandleOps, no devices."""
+  out = graph_pb2.GraphDef() if out is None else out
+  out.CopyFrom(graph.graph_def)
+  handles = []
+  for node in out.node:
+    if node.device:
+      node.device = ""
+    if node.op != "Placeholder":
       continue
-    if node.op == "Placeholder" and "shape" in node.attr and \
-        not node.attr["shape"].shape.unknown_rank:
+    known = var_shapes.get(node.name)
+    if known is not None:
+      dtype, shape = known
+      node.ClearField("attr")
+      del node.input[:]
+      node.op = "VarHandleOp"
+      node.attr["dtype"].type = dtype
+      node.attr["shape"].shape.CopyFrom(tensor_shape.TensorShape(shape).as_proto())
+      node.attr["shared_name"].s = node.name.encode()
+      node.attr["container"].s = b""
+      continue
+    if "shape" in node.attr and not node.attr["shape"].shape.unknown_rank:
       # Grappler treats placeholders as feeds and forgets their batch size;
       # a read of a variable with the same shape keeps every dimension.
-      handle = out.node.add()
+      handle = graph_pb2.GraphDef().node.add()
       handle.name = node.name + _SHAPE_SOURCE
       handle.op = "VarHandleOp"
       handle.attr["dtype"].type = node.attr["dtype"].type
       handle.attr["shape"].CopyFrom(node.attr["shape"])
       handle.attr["shared_name"].s = handle.name.encode()
       handle.attr["container"].s = b""
-      new.name = node.name
-      new.op = "ReadVariableOp"
-      new.input.append(handle.name)
-      new.attr["dtype"].type = node.attr["dtype"].type
+      handles.append(handle)
+      dtype = node.attr["dtype"].type
+      node.ClearField("attr")
+      node.op = "ReadVariableOp"
+      del node.input[:]
+      node.input.append(handle.name)
+      node.attr["dtype"].type = dtype
       continue
-    new.CopyFrom(node)
-    new.device = ""
-    if node.op == "Placeholder" and not new.attr["shape"].HasField("shape"):
+    if not node.attr["shape"].HasField("shape"):
       # No shape attr means any shape; Grappler refuses a feed without one.
-      new.attr["shape"].shape.unknown_rank = True
+      node.attr["shape"].shape.unknown_rank = True
+  out.node.extend(handles)
   return out
 
 
 def _run_inference(graph, var_shapes):
   """{node: [TensorInfo per output]} from Grappler's shape inference."""
-  # The copy's extra nodes all have consumers: its sinks are the graph's.
-  metagraph = metagraph_fetching_sinks(_inference_copy(graph, var_shapes), graph)
+  # The copy's extra nodes all have consumers: its sinks are the graph's,
+  # fetched through one NoOp (Grappler's item handles one fetch faster).
+  metagraph = meta_graph_pb2.MetaGraphDef()
+  _inference_copy(graph, var_shapes, metagraph.graph_def)
+  sinks = [n for n in graph.node_names() if not graph.has_consumers(n)]
+  base = "tfsplit_sinks"
+  while base in graph:  # the copy's own names are graph names plus the suffix
+    base += "_"
+  fetch = metagraph.graph_def.node.add(name=base + _SHAPE_SOURCE, op="NoOp")
+  fetch.input.extend("^" + n for n in sinks or graph.node_names())
+  metagraph.collection_def["train_op"].node_list.value.append(fetch.name)
   try:
     try:
       from tensorflow.python.grappler import _pywrap_tf_item as tf_item  # pylint: disable=import-outside-toplevel

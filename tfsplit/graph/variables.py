@@ -16,7 +16,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import tensor_shape
 
-from tfsplit.graph.ir import element_count
+from tfsplit.graph.ir import element_count, without_gc
 
 # Private attrs (leading underscore: TF ignores them when running the graph).
 VAR_NAME_ATTR = "_tfsplit_var_name"
@@ -93,6 +93,7 @@ def _shape_tuple(shape_proto):
   return tuple(shape.as_list())
 
 
+@without_gc
 def find_variables(graph):
   """[VariableInfo] for every variable of `graph` (a tfsplit Graph), in node order.
 

@@ -1,14 +1,17 @@
 """Run a (rewritten) GraphDef as a TF2 callable on the caller's variables.
 
-The graph is imported with `tf.compat.v1.wrap_function`, not re-traced in a
-tf.function body: re-tracing would add automatic control dependencies that
-order stateful ops across devices, and would deadlock collectives. Captured
-variable placeholders are fed the handles of real tf.Variables, matched by
-the variable name tfsplit recorded when it loaded the graph.
+The graph is imported as one function, as `tf.compat.v1.wrap_function` over
+import_graph_def makes it, not re-traced in a tf.function body: re-tracing
+would add automatic control dependencies that order stateful ops across
+devices, and would deadlock collectives. Captured variable placeholders are
+fed the handles of real tf.Variables, matched by the variable name tfsplit
+recorded when it loaded the graph.
 
-A split graph is called with its own Grappler config (`grappler_config`);
-the caller's other functions keep theirs. It is imported without what TF
-would drop before running it (`_runtime_copy`).
+A split graph is turned into a function in TF's C graph, without the Python
+object per op that wrap_function builds (most of its time on a split graph),
+and without what TF would drop before running it (`_runtime_copy`); other
+graphs go through wrap_function. A split graph is called with its own
+Grappler config (`grappler_config`); the caller's other functions keep theirs.
 """
 import glob
 import os
@@ -75,10 +78,11 @@ def grappler_config(graph_def, config):
 
 
 class GraphFunction(object):
-  """An imported graph: its ConcreteFunction (`concrete`), called with the
-  Grappler config the graph needs (`grappler_config`) on top of the calling
-  thread's own, which is restored after the call. TF instantiates a function
-  once per config, so other calls of the same function are not affected."""
+  """An imported graph: its function (`concrete`: a ConcreteFunction, or a
+  _Function for a split graph), called with the Grappler config the graph
+  needs (`grappler_config`) on top of the calling thread's own, which is
+  restored after the call. TF instantiates a function once per config, so
+  other calls of the same function are not affected."""
 
   def __init__(self, concrete, graph_def):
     self.concrete = concrete
@@ -173,7 +177,7 @@ _CONTROL_FLOW_OPS = frozenset(["Switch", "RefSwitch", "Merge", "RefMerge", "Ente
                                 "RefNextIteration", "LoopCond"])
 
 
-def _runtime_copy(graph_def, outputs):
+def _runtime_copy(graph_def, outputs, leave_out=()):
   """What TF needs of split graph `graph_def` to run it for `outputs` (node
   names); other graphs are returned as they are.
 
@@ -186,7 +190,8 @@ def _runtime_copy(graph_def, outputs):
   - nodes TF prunes from a function body before running it are left out:
     stateless ops that no output, stateful op or control-flow op reads (the
     global shape constants the split replaced by local ones). Placeholders
-    stay: they are the function's arguments and captures;
+    stay: they are the function's arguments and captures (but those in
+    `leave_out`);
   - identical constants on one device are one (as Grappler's common-subgraph
     elimination makes them: every device gets its copy of every constant).
   """
@@ -232,10 +237,12 @@ def _runtime_copy(graph_def, outputs):
   copy = graph_pb2.GraphDef()
   copy.versions.CopyFrom(graph_def.versions)
   copy.library.CopyFrom(graph_def.library)
-  if len(live) == len(nodes) and not same:
+  if len(live) == len(nodes) and not same and not leave_out:
     copy.node.extend(graph_def.node)
   else:
-    copy.node.extend(n for n in graph_def.node if n.name in live and n.name not in same)
+    leave_out = set(leave_out)
+    copy.node.extend(n for n in graph_def.node
+                     if n.name in live and n.name not in same and n.name not in leave_out)
   renamed = {}  # input text naming a dropped constant -> the text naming its twin
   for name, twin in same.items():
     renamed[name] = renamed[name + ":0"] = twin
@@ -334,7 +341,7 @@ def _import_into_default_graph(graph_def, input_map, return_elements):
 
 @without_gc
 def import_graph(graph_def, variables=(), inputs=None, outputs=None):
-  """A GraphFunction (a callable ConcreteFunction) running `graph_def` on `variables`.
+  """A GraphFunction (a callable function) running `graph_def` on `variables`.
 
   variables: tf.Variables (or Keras variables) whose names match the graph's
     captured-variable annotations, or a dict {recorded name: variable};
@@ -379,12 +386,14 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
     return _import_into_default_graph(runtime_graph_def, input_map,
                                       [tensor(o) for o in outputs])
 
-  runtime_graph_def = _runtime_copy(graph_def, [o.split(":")[0] for o in outputs])
-  if runtime_graph_def is not graph_def:  # a split graph: every op is TF's own
-    fn = _function_from_graph_def(runtime_graph_def, [tensor(n) for n in inputs],
-                                  [tensor(o) for o in outputs], captures, specs)
+  output_nodes = [o.split(":")[0] for o in outputs]
+  if is_split(graph_def):  # every op is TF's own: no Python object per op needed
+    fn = _function_from_graph_def(graph_def, [tensor(n) for n in inputs],
+                                  [tensor(o) for o in outputs], output_nodes, captures,
+                                  specs)
     if fn is not None:
       return GraphFunction(fn, graph_def)
+  runtime_graph_def = _runtime_copy(graph_def, output_nodes)
   return GraphFunction(tf.compat.v1.wrap_function(body, specs), graph_def)
 
 
@@ -407,9 +416,10 @@ class _Function(object):
     return self._atomic.call_flat(*flat, *self._handles)
 
 
-def _function_from_graph_def(graph_def, inputs, outputs, captures, specs):
-  """A _Function of `graph_def` (inputs / outputs: tensor names; captures:
-  {placeholder tensor: variable}), or None where TF's internals differ.
+def _function_from_graph_def(graph_def, inputs, outputs, output_nodes, captures, specs):
+  """A _Function of split graph `graph_def` (inputs / outputs: tensor names,
+  output_nodes their nodes; captures: {placeholder tensor: variable}), or
+  None where TF's internals differ.
 
   What wrap_function makes, without its Python object per op (most of its
   time on a split graph): the graph is imported into a bare C graph and
@@ -427,15 +437,20 @@ def _function_from_graph_def(graph_def, inputs, outputs, captures, specs):
     new_results = c_api_util.ScopedTFImportGraphDefResults
   except (ImportError, AttributeError):
     return None
-  nodes = {n.name: n for n in graph_def.node}
   capture_names = [parse_input(t)[0] for t in captures]
   args = {parse_input(t)[0] for t in inputs} | set(capture_names)
+  body = _runtime_copy(graph_def, output_nodes, leave_out=capture_names)
   graph = ops.Graph()
   with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
     # 1. The captured placeholders, with their variables' handle data.
     first = graph_pb2.GraphDef()
     first.versions.CopyFrom(graph_def.versions)
+    nodes = {n.name: n for n in graph_def.node if n.op == "Placeholder"}
     first.node.extend(nodes[n] for n in capture_names)
+    for node in first.node:
+      for key in _RECORD_ATTRS:
+        if key in node.attr:
+          del node.attr[key]
     options = new_options()
     c_api.TF_ImportGraphDefOptionsSetPrefix(options.options, "")
     for name in capture_names:
@@ -447,11 +462,6 @@ def _function_from_graph_def(graph_def, inputs, outputs, captures, specs):
       if handle_data is not None and handle_data.is_set:
         c_api.SetHandleShapeAndType(c_graph, output, handle_data.SerializeToString())
     # 2. The graph, its captured placeholders mapped onto those.
-    body = graph_pb2.GraphDef()
-    body.versions.CopyFrom(graph_def.versions)
-    body.library.CopyFrom(graph_def.library)
-    captured = set(capture_names)
-    body.node.extend(n for n in graph_def.node if n.name not in captured)
     options = new_options()
     c_api.TF_ImportGraphDefOptionsSetPrefix(options.options, "")
     for name, output in zip(capture_names, placeholders):

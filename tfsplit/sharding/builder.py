@@ -7,8 +7,9 @@ logical device and whether it serves every micro-batch. Later passes
 of parsing node names.
 
 The records also travel inside the GraphDef, as private attrs on each node
-(`stamp_records` / `read_records`), so a rewritten graph read back from a file
-still says which original node and device each of its nodes serves.
+(written as nodes are added, or by `stamp_records`; read by `read_records`),
+so a rewritten graph read back from a file still says which original node and
+device each of its nodes serves.
 
 Names: the copy of node `n` on logical device d is `n/shard_d`; a variable
 `v`'s shard on device d is the variable `v/shard_d`.
@@ -49,11 +50,28 @@ def stamp_records(graph_def, records):
       node.attr[SHARED_ATTR].b = True
 
 
+def _stamp(node, source, device_id):
+  """stamp_records for one node as it is added (its `shared` comes later)."""
+  if device_id is not None:
+    node.attr[SOURCE_ATTR].s = source.encode()
+    node.attr[DEVICE_ID_ATTR].i = device_id
+
+
 def read_records(graph_def):
   """{node: NodeRecord} from the attrs stamp_records wrote."""
   return {n.name: NodeRecord(n.attr[SOURCE_ATTR].s.decode(), n.attr[DEVICE_ID_ATTR].i,
                              SHARED_ATTR in n.attr and n.attr[SHARED_ATTR].b)
           for n in graph_def.node if SOURCE_ATTR in n.attr}
+
+
+def unique_name(names, base):
+  """`base`, or `base_i` for the first i making it new in `names` (added to it)."""
+  name, i = base, 0
+  while name in names:
+    i += 1
+    name = f"{base}_{i}"
+  names.add(name)
+  return name
 
 
 def local_name(name, device_id):
@@ -110,12 +128,7 @@ class DeviceGraph(object):
     self.records = {}   # name -> NodeRecord
 
   def unique(self, base):
-    name, i = base, 0
-    while name in self.names:
-      i += 1
-      name = f"{base}_{i}"
-    self.names.add(name)
-    return name
+    return unique_name(self.names, base)
 
   def add(self, node, source=None, device_id=None):
     """Adds a copy of `node`; records it as made for `source` on `device_id`."""
@@ -125,6 +138,7 @@ class DeviceGraph(object):
     self.created[node.name] = added
     if source is not None:
       self.records[node.name] = NodeRecord(source, device_id)
+      _stamp(added, source, device_id)
     return added
 
   def add_copy(self, node, name, device, source, device_id):
@@ -136,12 +150,15 @@ class DeviceGraph(object):
     added.name, added.device = name, device
     self.created[name] = added
     self.records[name] = NodeRecord(source, device_id)
+    _stamp(added, source, device_id)
     return added
 
   def mark_shared(self, name):
     record = self.records.get(name)
     self.records[name] = dataclasses.replace(record, shared=True) if record else \
         NodeRecord(name, None, True)
+    if record is not None and record.device_id is not None and name in self.created:
+      self.created[name].attr[SHARED_ATTR].b = True
 
   def is_shared(self, name):
     record = self.records.get(name)

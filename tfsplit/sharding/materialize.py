@@ -24,7 +24,7 @@ from tfsplit.graph.ir import parse_input
 from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.rules.base import Decision
 from tfsplit.sharding.builder import (DeviceGraph, local_name, shard_variable_name,
-                                      shard_variable_node, stamp_records, tensor)
+                                      shard_variable_node, tensor)
 from tfsplit.sharding.localize import LocalizeContext
 from tfsplit.sharding.placement import Placement
 from tfsplit.sharding.reshard import Resharder
@@ -43,7 +43,6 @@ class Materialized:
   collectives: list                # reshard.CollectiveRecord
   output_copies: Dict[str, list]   # output -> [[device, local tensor]]
   records: Dict[str, object]       # local node -> builder.NodeRecord
-  input_slices: List[tuple]        # (device id, local input slice node)
   local_sums: List[dict]           # per running gradient sum: {device id: member}
 
 
@@ -63,7 +62,7 @@ class _Materializer(object):
     self.alias = {}          # (node, device id) -> the local name it shares
     self.sources = {}        # (src, port) -> source()'s answer
     self.reshards = {}       # (src, port, want, raw) -> [local tensor per device]
-    self.deferred, self.manifest, self.output_copies, self.input_slices = [], {}, {}, []
+    self.deferred, self.manifest, self.output_copies = [], {}, {}
 
   def lname(self, name, d):
     """Node `name`'s copy as device d sees it (its stage's; shared ones aliased)."""
@@ -143,9 +142,8 @@ class _Materializer(object):
         self.b.mark_shared(ident.name)
       return
     ids = self.place.ids_for(node.name)
-    local = self.r.slice(whole, ids, info, Sharding.replicated(len(info.shape)), spec,
-                         (node.name, 0, node.name), {d: local_name(node.name, d) for d in ids})
-    self.input_slices.extend((d, local[d]) for d in ids)
+    self.r.slice(whole, ids, info, Sharding.replicated(len(info.shape)), spec,
+                 (node.name, 0, node.name), {d: local_name(node.name, d) for d in ids})
 
   def op(self, node):
     name = node.name
@@ -252,10 +250,8 @@ class _Materializer(object):
         self.op(node)
     for name in graph_outputs(self.graph):
       self.output(name)
-    stamp_records(self.b.graph_def, self.b.records)
     return Materialized(self.b.graph_def, self.manifest, self.r.collectives,
-                        self.output_copies, self.b.records, self.input_slices,
-                        self.r.local_sums)
+                        self.output_copies, self.b.records, self.r.local_sums)
 
 
 def materialize(graph, shapes, mesh, propagation, variables, timeout_seconds=None,
