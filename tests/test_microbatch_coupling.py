@@ -15,6 +15,7 @@ import tensorflow as tf
 from tfsplit.errors import PlanError
 from tfsplit.graph import load_graph
 from tfsplit.passes import split_graph
+from tfsplit.pipeline.microbatches import ordered_microbatches
 from tfsplit.runtime.split_function import make_mesh
 
 from _util import check_training, names
@@ -84,19 +85,8 @@ def test_masks_and_token_counts_keep_microbatches_exact(mesh, m):
   for the previous one."""
   ex = _model("masked")
   step = check_training(ex, mesh=mesh, microbatches=m)
-  records, nodes = step.result.records, {n.name: n for n in step.graph_def.node}
   mb_mesh = step.result.mesh
-  waiting = set()
-  for name, node in nodes.items():
-    record = records.get(name)
-    if record is None or record.device_id is None or \
-        mb_mesh.coord(record.device_id, "mb") == 0:
-      continue
-    prev = mb_mesh.device_id({**mb_mesh.coords(record.device_id),
-                              "mb": mb_mesh.coord(record.device_id, "mb") - 1})
-    if any(t.startswith("^") and t[1:] in records and records[t[1:]].device_id == prev
-           for t in node.input):
-      waiting.add(record.device_id)
+  waiting = ordered_microbatches(step.graph_def, step.result.records, mb_mesh)
   assert len(waiting) == mb_mesh.size // m * (m - 1)
 
 

@@ -89,20 +89,11 @@ def _measure(fn, inputs, device, steps, warmup):
 
 
 def _waits(graph_def, mesh, m):
-  """(micro-batches whose ops wait, through control inputs, for ops of the
-  previous micro-batch on the same replica; those that should)."""
+  """(micro-batches whose ops wait for the previous micro-batch on the same
+  replica; those that should)."""
+  from tfsplit.pipeline.microbatches import ordered_microbatches  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.builder import read_records  # pylint: disable=import-outside-toplevel
-  records = read_records(graph_def)
-  waiting = set()
-  for n in graph_def.node:
-    record = records.get(n.name)
-    if record is None or mesh.coord(record.device_id, "mb") == 0:
-      continue
-    prev = mesh.device_id({**mesh.coords(record.device_id),
-                           "mb": mesh.coord(record.device_id, "mb") - 1})
-    if any(t.startswith("^") and t[1:] in records and records[t[1:]].device_id == prev
-           for t in n.input):
-      waiting.add(record.device_id)
+  waiting = ordered_microbatches(graph_def, read_records(graph_def), mesh)
   return len(waiting), mesh.size // m * (m - 1)
 
 

@@ -43,6 +43,7 @@ import tensorflow as tf
 from tfsplit.errors import TfsplitError
 
 from . import common
+from . import example
 from .example import CORPUS_FAMILIES, CORPUS_NAMES, ExampleModel
 
 FAMILIES = CORPUS_FAMILIES
@@ -121,15 +122,8 @@ CONFIGS = {
 
 
 def config_for(family, size, batch_size=None):
-  if size not in CONFIGS[family]:
-    raise TfsplitError(f"unknown model size '{size}' for the corpus model "
-                       f"'{family}'; choose one of {', '.join(SIZES)}")
-  cfg = CONFIGS[family][size]
-  if batch_size is not None:
-    if batch_size < 1:
-      raise TfsplitError(f"batch_size must be positive, got {batch_size}")
-    cfg = dataclasses.replace(cfg, batch=int(batch_size))
-  return cfg
+  return example.config_for(family, size, batch_size, CONFIGS,
+                            f" for the corpus model '{family}'")
 
 
 def signatures(cfg):

@@ -81,11 +81,14 @@ def split_name(name):
   return family, flavor
 
 
-def config_for(family, size, batch_size=None):
-  if size not in CONFIGS[family]:
-    raise TfsplitError(f"unknown model size '{size}'; choose one of "
-                       f"{', '.join(SIZES)}")
-  cfg = CONFIGS[family][size]
+def config_for(family, size, batch_size=None, configs=None, what=""):
+  """configs[family][size] (default: this zoo's), with batch_size if given;
+  `what` names the model in the error for an unknown size."""
+  configs = CONFIGS if configs is None else configs
+  if size not in configs[family]:
+    raise TfsplitError(f"unknown model size '{size}'{what}; choose one of "
+                       f"{', '.join(configs[family])}")
+  cfg = configs[family][size]
   if batch_size is not None:
     if batch_size < 1:
       raise TfsplitError(f"batch_size must be positive, got {batch_size}")

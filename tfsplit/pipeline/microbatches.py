@@ -42,3 +42,21 @@ def order_microbatches(graph_def, sets, local_sums, mesh):
                     "a micro-batch's work needs another micro-batch's activations: "
                     "use microbatches=1 for this graph") from None
   return added
+
+
+def ordered_microbatches(graph_def, records, mesh):
+  """Device ids (micro-batch > 0) with an op waiting, through a control input,
+  for an op of the previous micro-batch on the same replica: what the order
+  above makes of a graph, read back from its node records."""
+  axis = constants.MICROBATCH_AXIS
+  waiting = set()
+  for node in graph_def.node:
+    record = records.get(node.name)
+    if record is None or record.device_id is None or mesh.coord(record.device_id, axis) == 0:
+      continue
+    d = record.device_id
+    prev = mesh.device_id({**mesh.coords(d), axis: mesh.coord(d, axis) - 1})
+    if any(t.startswith("^") and t[1:] in records and records[t[1:]].device_id == prev
+           for t in node.input):
+      waiting.add(d)
+  return waiting

@@ -39,7 +39,7 @@ from tensorflow.python.framework import tensor_util
 from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph.ir import parse_input
-from tfsplit.sharding.builder import NodeRecord, safe_axis, stamp_records
+from tfsplit.sharding.builder import NodeRecord, safe_axis, stamp_records, unique_name
 from tfsplit.sharding.reshard import CollectiveRecord
 
 BUCKET = "bucket"   # CollectiveRecord.kind of a bucket
@@ -301,12 +301,7 @@ class _Emitter(object):
     self.new_records, self.dead_inputs, self.kept, self.rewritten = {}, set(), set(), set()
 
   def unique(self, base):
-    name, i = base, 0
-    while name in self.names:
-      i += 1
-      name = f"{base}_{i}"
-    self.names.add(name)
-    return name
+    return unique_name(self.names, base)
 
   def add(self, node, source=None, device_id=None, shared=False):
     self.out.graph_def.node.add().CopyFrom(node)
