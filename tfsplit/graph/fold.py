@@ -102,6 +102,9 @@ def _fold(graph, shapes):
   out.versions.CopyFrom(graph_def.versions)
   out.library.CopyFrom(graph_def.library)
   needed = set(targets)
+  # Names some node waits on with a control edge (a folded multi-output node
+  # keeps an IdentityN for them; otherwise nothing reads it).
+  awaited = {text[1:] for node in graph.nodes for text in node.input if text[:1] == "^"}
   redirect = {}  # "node:k" of a folded multi-output node -> its Const
   for node in graph.nodes:
     if node.name in needed:
@@ -119,7 +122,9 @@ def _fold(graph, shapes):
         if i == 0:
           redirect[node.name] = c.name
       # Consumers read the Consts directly (so shape inference and the split
-      # rules see constant values); the IdentityN stays for control edges.
+      # rules see constant values); an IdentityN stays for control edges.
+      if node.name not in awaited:
+        continue
       ident = out.node.add()
       ident.name, ident.op, ident.device = node.name, "IdentityN", node.device
       ident.input.extend(names)

@@ -214,13 +214,19 @@ def load_graph(source, signature=None, input_signature=None, inline=True,
         f"cannot load a graph from {type(source).__name__}; pass a path "
         "(.pb, .pbtxt, SavedModel dir), a GraphDef, a ConcreteFunction or a "
         "tf.function")
-  if validate:
+  # A function TF just traced passed TF's own graph construction: the checks
+  # written here run once, on what inlining makes of it, and TF's importer is
+  # not asked again. Graphs read from disk get every check, before and after.
+  traced = not from_file and not isinstance(source, (graph_pb2.GraphDef, str, os.PathLike))
+  if validate and not traced:
     validate_graph_def(graph_def, label)
   if inline and any(n.op in ("PartitionedCall", "StatefulPartitionedCall")
                     for n in graph_def.node):
     graph_def = inline_functions(graph_def)
-    if validate:
+    if validate and not traced:
       validate_graph_def(graph_def, label)
+  if validate and traced:
+    validate_graph_def(graph_def, label, import_check=False)
   if from_file:
     # A graph written the plain TF way: recover what tfsplit would have recorded.
     from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel

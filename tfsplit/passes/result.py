@@ -1,4 +1,5 @@
 """SplitResult: everything one split produced, complete at construction."""
+import collections
 import dataclasses
 from typing import Dict, List, Optional
 
@@ -21,6 +22,12 @@ class SplitResult:
   def count(self, kind, axis=None):
     return sum(1 for c in self.collectives
                if c.kind == kind and (axis is None or c.axis == axis))
+
+  def ops_per_device(self, skip=()):
+    """{device: ops placed on it} of the rewritten graph, leaving out op types
+    in `skip` (constants, say: TF folds and shares them before a step runs)."""
+    return collections.Counter(n.device for n in self.graph_def.node
+                               if n.device and n.op not in skip)
 
   def manifest_dict(self, source=None):
     from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel

@@ -81,6 +81,7 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
            f"{time.perf_counter() - t0:.2f} s",
            f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} "
            f"of {len(result.manifest)} variables split"]
+  lines.append(_ops_per_device_line(graph_def, result))
   if result.partition and virtual_stages > 1:
     lines.append(f"  pipeline: {result.config.stages} stages x {virtual_stages} virtual "
                  f"stages, chunks {result.partition}, {schedule} over {microbatches} "
@@ -103,3 +104,22 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   lines += [f"  fallback: {msg}" for msg in result.fallbacks]
   lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
   return lines
+
+
+def _ops_per_device(counts):
+  low, high = min(counts.values()), max(counts.values())
+  return f"{high}" if low == high else f"{low}-{high}"
+
+
+def _ops_per_device_line(graph_def, result):
+  """Ops on each device against the original's, in all and without constants:
+  what a split adds per device (collectives, local shapes, bucket packing)."""
+  original = len(graph_def.node)
+  original_ops = sum(1 for n in graph_def.node if n.op != "Const")
+  counts, ops = result.ops_per_device(), result.ops_per_device(skip=("Const",))
+  if not counts:
+    return "  ops per device: none placed"
+  return (f"  ops per device: {_ops_per_device(counts)} of the original's {original} "
+          f"({max(counts.values()) / original:.2f}x); without constants "
+          f"{_ops_per_device(ops)} of {original_ops} "
+          f"({max(ops.values()) / max(original_ops, 1):.2f}x)")
