@@ -103,3 +103,33 @@ def test_rewrite_pipeline_verify_and_trace(tmp_path, capsys):
   code, _, err = _cli(["rewrite", TRAIN, "-o", str(tmp_path / "x.pb"), "--stages", "2",
                        "--schedule", "zigzag"], capsys)
   assert code == 2 and "zigzag" in err
+
+
+def test_rewrite_reports_lean_ops_per_device(tmp_path, capsys):
+  """The summary counts each device's ops against the original's: a tensor-
+  and data-parallel split adds almost nothing per device beyond constants
+  (collectives and bucket packing), and folded shape arithmetic leaves no
+  IdentityN / NoOp behind on any device."""
+  keras = os.path.join(EXAMPLES, "gpt_keras3_train_tiny.pb")  # Keras: BroadcastGradientArgs
+  out = tmp_path / "gpt.pb"
+  code, stdout, _ = _cli(["rewrite", keras, "-o", str(out), "--mesh", "dp=2,tp=2"], capsys)
+  assert code == 0, stdout
+  line = next(l for l in stdout.splitlines() if "ops per device" in l)
+  match = re.search(r"ops per device: (\d+)(?:-(\d+))? of the original's (\d+) .*"
+                    r"without constants (\d+)(?:-(\d+))? of (\d+) \(([\d.]+)x\)", line)
+  assert match, line
+  original = load_graph(keras)
+  rewritten = load_graph(str(out))
+  per_device = {}
+  for n in rewritten.node:
+    if n.device and n.op != "Const":
+      per_device[n.device] = per_device.get(n.device, 0) + 1
+  assert len(per_device) == 4
+  assert int(match.group(6)) == sum(1 for n in original.node if n.op != "Const")
+  assert max(per_device.values()) == int(match.group(5) or match.group(4))
+  assert max(per_device.values()) <= 1.05 * int(match.group(6)), line
+  original_ids = sum(1 for n in original.node if n.op in ("IdentityN", "NoOp", "Identity"))
+  device0 = min(per_device)
+  ids = sum(1 for n in rewritten.node
+            if n.device == device0 and n.op in ("IdentityN", "NoOp", "Identity"))
+  assert ids <= original_ids + 2, (ids, original_ids)
