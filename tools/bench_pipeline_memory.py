@@ -23,7 +23,9 @@ A traced step gives each stage's forward/backward block order (step stats),
 checked against the schedule's order (blocks of the interleaved schedule
 carry their chunk), and the measured bubble: per stage, the share of the
 traced step (first op to last op over all stages) in which none of its ops
-runs, the median over --trace_steps traced steps; theory on uniform stages
+runs for at least --min_gap_us (it waits on another stage; the shorter gaps
+between ops are the executor's per-op overhead, shown apart as idle), the
+median over --trace_steps traced steps; theory on uniform stages
 is (S - 1) / (m + S - 1), (S - 1) / (v m + S - 1) interleaved. With fewer
 CPU cores than stages the workers share cores, so ops run slower while more
 stages are busy: the measured bubbles then compare schedules, not hardware. With --explain (default) every worker
@@ -82,6 +84,9 @@ flags.DEFINE_integer("virtual_stages", 2, "Model chunks per stage of the interle
                      "schedule.", lower_bound=2)
 flags.DEFINE_integer("trace_steps", 3, "Traced steps per schedule (block order, "
                      "measured bubble: median).", lower_bound=1)
+flags.DEFINE_float("min_gap_us", 500.0, "A stage waits (bubble) when none of its ops "
+                   "runs for at least this long; shorter gaps are the executor's "
+                   "per-op overhead (about 50 us an op on CPU, traced).", lower_bound=0.0)
 flags.DEFINE_integer("steps", 5, "Measured steps per schedule (median).", lower_bound=1)
 flags.DEFINE_integer("warmup", 1, "Unmeasured steps first.", lower_bound=0)
 flags.DEFINE_integer("inter_op_threads", 1, "Inter-op threads of each worker.",
@@ -306,15 +311,16 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
     stats = {s: {"act": med(acts, s), "base": med(bases, s), "peak": med(peaks, s),
                  "lo": min(r[s] for r in acts), "hi": max(r[s] for r in acts)}
              for s in range(stages)}
-    orders = bubble = None
+    orders = bubble = idle = None
     if FLAGS.trace:
       roles = detect_layers(Graph(graph_def)).block_roles()
       want = get_schedule(schedule, chunks)
-      bubbles = []
+      bubbles, idles = [], []
       for i in range(FLAGS.trace_steps):
         _, metadata = runner.run(inputs, trace=True)
         events = session_lib.op_events(metadata)
-        bubbles.append(_stage_bubbles(events, devices))
+        bubbles.append(_stage_bubbles(events, devices, FLAGS.min_gap_us))
+        idles.append(_stage_bubbles(events, devices))
         if i == 0:
           blocks = session_lib.microbatch_blocks(
               events, roles, mesh.with_microbatches(microbatches), result.graph_def,
@@ -322,6 +328,7 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
           orders = {s: ([b[0] for b in blocks.get(s, [])],
                         want.order(s, stages, microbatches)) for s in range(stages)}
       bubble = [statistics.median(b[s] for b in bubbles) for s in range(stages)]
+      idle = [statistics.median(b[s] for b in idles) for s in range(stages)]
     explained = None
     if FLAGS.explain:
       dirs = [os.path.join(logdir, f"profile_{schedule}_{microbatches}_{s}")
@@ -337,10 +344,13 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
       explained = [_explain_stage(d, s, roles, mesh.with_microbatches(microbatches),
                                   records)
                    for s, d in enumerate(dirs)]
+    per_stage = "" if bubble is None else ", bubble per stage " + " ".join(
+        f"{100 * b:.1f}%" for b in bubble)
     print(f"[{label}] {len(result.graph_def.node)} nodes, loss {first:.6f}, "
+          f"step {1e3 * statistics.median(times):.1f} ms{per_stage}, "
           f"{time.time() - t0:.1f}s", flush=True)
     return {"stats": stats, "loss": first, "partition": result.partition,
-            "orders": orders, "explained": explained, "bubble": bubble,
+            "orders": orders, "explained": explained, "bubble": bubble, "idle": idle,
             "step": statistics.median(times), "chunks": chunks}
   finally:
     if runner is not None:
@@ -349,9 +359,11 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
 
 
 
-def _stage_bubbles(events, devices):
+def _stage_bubbles(events, devices, min_gap_us=0.0):
   """Per stage: the share of the step (first to last op over all stages) in
-  which none of its ops runs."""
+  which none of its ops runs, counting only stretches of at least
+  `min_gap_us` (0: every gap between ops, the executor's own per-op
+  overhead included)."""
   if not events:
     return [float("nan")] * len(devices)
   lo, hi = min(e[2] for e in events), max(e[3] for e in events)
@@ -362,12 +374,14 @@ def _stage_bubbles(events, devices):
       spans[index[device]].append((start, end))
   out = []
   for intervals in spans:
-    busy, reach = 0, lo
+    idle, reach = 0, lo
     for start, end in sorted(intervals):
-      if end > reach:
-        busy += end - max(start, reach)
-        reach = end
-    out.append(1 - busy / (hi - lo) if hi > lo else 0.0)
+      if start - reach >= min_gap_us:
+        idle += start - reach
+      reach = max(reach, end)
+    if hi - reach >= min_gap_us:
+      idle += hi - reach
+    out.append(idle / (hi - lo) if hi > lo else 0.0)
   return out
 
 
@@ -580,6 +594,12 @@ def _bench_model(model):
     verdict = "PASS" if all(l <= b for l, b in zip(live, bound)) else "FAIL"
     print(f"{tag} 1f1b micro-batches alive per stage at its peak: {live} (bound "
           f"min(S - i, m) = {bound}): {verdict}")
+  il = runs.get("interleaved")
+  if ob and il and ob["bubble"] and il["bubble"]:
+    b1, bi = (sum(r["bubble"]) / len(r["bubble"]) for r in (ob, il))
+    print(f"{tag} bubble interleaved/1f1b: {100 * bi:.1f}% / {100 * b1:.1f}% "
+          f"(step {1e3 * il['step']:.1f} / {1e3 * ob['step']:.1f} ms): "
+          f"{'PASS' if bi < b1 else 'FAIL'}")
   rows = []
   for n in names:
     run = runs[n]
@@ -587,6 +607,7 @@ def _bench_model(model):
     rows.append({
         "model": model, "schedule": n, "v": run["chunks"], "step_ms": run["step"] * 1e3,
         "bubble": sum(bubble) / len(bubble) if bubble else float("nan"),
+        "idle": sum(run["idle"]) / len(run["idle"]) if run["idle"] else float("nan"),
         "theory": _theory_bubble(n, s_count, m),
         "act0": run["stats"][0]["act"],
         "act0_gpipe": run["stats"][0]["act"] / gp["stats"][0]["act"] if gp else
@@ -613,18 +634,20 @@ def main(argv):
     rows += _bench_model(model.strip())
     print()
   print(f"summary: S={FLAGS.stages} m={m} batch {FLAGS.batch} ({FLAGS.size}); bubble = "
-        "mean over stages of the idle share of the traced step (median of "
-        f"{FLAGS.trace_steps}); theory (S-1)/(vm+S-1); stage-0 act = its activation "
-        "memory (peak - base), / gpipe with its uniform-stage theory")
+        "mean over stages of the share of the traced step (median of "
+        f"{FLAGS.trace_steps}) in which the stage waits (no op of it runs for >= "
+        f"{FLAGS.min_gap_us:g} us); idle = every gap between its ops; theory "
+        "(S-1)/(vm+S-1); stage-0 act = its activation memory (peak - base), / gpipe "
+        "with its uniform-stage theory")
   header = (f"{'model':<18} {'schedule':<11} {'v':>2} {'step ms':>9} {'bubble':>7} "
-            f"{'theory':>7} {'stage-0 act MiB':>15} {'/gpipe':>7} {'theory':>7} "
+            f"{'idle':>7} {'theory':>7} {'stage-0 act MiB':>15} {'/gpipe':>7} {'theory':>7} "
             f"{'order':>6}")
   print(header)
   print("-" * len(header))
   for r in rows:
     order = {True: "ok", False: "WRONG", None: "-"}[r["order_ok"]]
     print(f"{r['model']:<18} {r['schedule']:<11} {r['v']:>2} {r['step_ms']:>9.1f} "
-          f"{100 * r['bubble']:>6.1f}% {100 * r['theory']:>6.1f}% "
+          f"{100 * r['bubble']:>6.1f}% {100 * r['idle']:>6.1f}% {100 * r['theory']:>6.1f}% "
           f"{r['act0'] / _MIB:>15.2f} {r['act0_gpipe']:>7.3f} {r['held0_theory']:>7.3f} "
           f"{order:>6}")
 
