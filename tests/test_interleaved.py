@@ -271,14 +271,14 @@ def test_simulated_pipeline_with_links():
 
 
 def test_measured_bubble_counts_waits_not_per_op_gaps():
-  """bench_pipeline_memory's bubble: a stage waits when none of its ops runs
+  """The measured bubble (bench_pipeline_memory): a stage waits when none of its ops runs
   for at least min_gap_us (leading and trailing waits included); the short
   gaps between its ops (executor overhead) count only as idle."""
-  import bench_pipeline_memory  # tools/, on sys.path (see conftest.py)
+  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
   a, b = "/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"
   events = [(a, "x", 0, 1000), (a, "y", 1030, 2000), (a, "z", 3000, 4000),
             (b, "u", 0, 500), (b, "v", 3500, 5000)]
-  bubble = bench_pipeline_memory._stage_bubbles(events, [a, b], min_gap_us=500)  # pylint: disable=protected-access
-  idle = bench_pipeline_memory._stage_bubbles(events, [a, b])  # pylint: disable=protected-access
+  bubble = session_lib.stage_waits(events, [a, b], min_gap_us=500)
+  idle = session_lib.stage_waits(events, [a, b])
   assert bubble == pytest.approx([2000 / 5000, 3000 / 5000])
   assert idle == pytest.approx([2030 / 5000, 3000 / 5000])

@@ -319,8 +319,8 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
       for i in range(FLAGS.trace_steps):
         _, metadata = runner.run(inputs, trace=True)
         events = session_lib.op_events(metadata)
-        bubbles.append(_stage_bubbles(events, devices, FLAGS.min_gap_us))
-        idles.append(_stage_bubbles(events, devices))
+        bubbles.append(session_lib.stage_waits(events, devices, FLAGS.min_gap_us))
+        idles.append(session_lib.stage_waits(events, devices))
         if i == 0:
           blocks = session_lib.microbatch_blocks(
               events, roles, mesh.with_microbatches(microbatches), result.graph_def,
@@ -357,32 +357,6 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
       runner.session.close()
     workers.stop()
 
-
-
-def _stage_bubbles(events, devices, min_gap_us=0.0):
-  """Per stage: the share of the step (first to last op over all stages) in
-  which none of its ops runs, counting only stretches of at least
-  `min_gap_us` (0: every gap between ops, the executor's own per-op
-  overhead included)."""
-  if not events:
-    return [float("nan")] * len(devices)
-  lo, hi = min(e[2] for e in events), max(e[3] for e in events)
-  index = {d: i for i, d in enumerate(devices)}
-  spans = [[] for _ in devices]
-  for device, _, start, end in events:
-    if device in index:
-      spans[index[device]].append((start, end))
-  out = []
-  for intervals in spans:
-    idle, reach = 0, lo
-    for start, end in sorted(intervals):
-      if start - reach >= min_gap_us:
-        idle += start - reach
-      reach = max(reach, end)
-    if hi - reach >= min_gap_us:
-      idle += hi - reach
-    out.append(idle / (hi - lo) if hi > lo else 0.0)
-  return out
 
 
 def _explain_stage(logdir, stage, roles, mesh, records):

@@ -120,6 +120,33 @@ def op_events(metadata):
   return events
 
 
+def stage_waits(events, devices, min_gap_us=0.0):
+  """Per device of `devices` (a pipeline stage each), from op events (see
+  op_events): the share of the step (first to last op over all stages) in
+  which none of its ops runs, counting only stretches of at least
+  `min_gap_us` (0: every gap between ops, the executor's own per-op
+  overhead included)."""
+  if not events:
+    return [float("nan")] * len(devices)
+  lo, hi = min(e[2] for e in events), max(e[3] for e in events)
+  index = {d: i for i, d in enumerate(devices)}
+  spans = [[] for _ in devices]
+  for device, _, start, end in events:
+    if device in index:
+      spans[index[device]].append((start, end))
+  out = []
+  for intervals in spans:
+    idle, reach = 0, lo
+    for start, end in sorted(intervals):
+      if start - reach >= min_gap_us:
+        idle += start - reach
+      reach = max(reach, end)
+    if hi - reach >= min_gap_us:
+      idle += hi - reach
+    out.append(idle / (hi - lo) if hi > lo else 0.0)
+  return out
+
+
 def chrome_trace(events, labels=None):
   """Chrome-trace / Perfetto JSON dict of op events (one track per device).
 
