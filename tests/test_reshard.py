@@ -111,8 +111,9 @@ def test_the_cheapest_collective_is_chosen():
   assert kinds(split0, split1) == ["all_to_all"]       # not gather + slice
   assert kinds(split0, whole) == ["all_gather"]
   assert kinds(whole, split1) == []                     # a local slice
-  # No CPU kernel for reduce-scatter: all-reduce, then a local slice.
-  assert kinds(whole.with_partial({"tp"}), split1) == ["all_reduce"]
+  # A reduce-scatter (on CPUs, with no kernel for it: an all-to-all and a
+  # local sum), not an all-reduce and a local slice.
+  assert kinds(whole.with_partial({"tp"}), split1) == ["reduce_scatter"]
 
 
 def test_reduce_scatter_on_gpus():

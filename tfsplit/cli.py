@@ -18,10 +18,12 @@ COMMANDS = {
     "trace": ("tfsplit.commands.trace_cmd", "Chrome-trace JSON of one real step of a (rewritten) graph"),
     "estimate": ("tfsplit.commands.estimate_cmd", "memory from a parameter count; pipeline simulation; a graph's memory and step"),
     "calibrate": ("tfsplit.commands.calibrate_cmd", "measure op costs on this machine into a cost table"),
+    "worker": ("tfsplit.commands.worker_cmd", "serve one task of a multi-worker cluster (TF gRPC server)"),
+    "launch": ("tfsplit.commands.launch_cmd", "run a command as the client of N local worker processes"),
 }
 
 # Commands that can run without importing TensorFlow (e.g. a size-only estimate).
-LIGHT_COMMANDS = frozenset(["estimate"])
+LIGHT_COMMANDS = frozenset(["estimate", "launch"])
 
 USAGE = "usage: tfsplit <command> [args] [--flags]\n\ncommands:\n" + "\n".join(
     f"  {name:10s} {help_}" for name, (_, help_) in COMMANDS.items()) + \

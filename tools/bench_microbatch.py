@@ -30,7 +30,6 @@ most 0.4).
 import gc
 import os
 import re
-import statistics
 import tempfile
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
@@ -39,7 +38,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-from benchlib import allocator_events, define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import allocator_events, define_example_flags, step_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 define_example_flags("small")
@@ -64,28 +63,6 @@ _SHARD_RE = re.compile(r"/shard_(\d+)$")
 def _device():
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   return "GPU:0" if tf.config.list_logical_devices("GPU") else "CPU:0"
-
-
-def _measure(fn, inputs, device, steps, warmup):
-  """Median peak, baseline and activation bytes of `steps` calls; first loss."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  first = None
-  for _ in range(warmup):
-    out = fn(*inputs)
-    first = float(out) if first is None else first
-  peaks, bases, acts = [], [], []
-  for _ in range(steps):
-    tf.config.experimental.reset_memory_stats(device)
-    base = tf.config.experimental.get_memory_info(device)["current"]
-    out = fn(*inputs)
-    loss = float(out)  # waits for the step
-    peak = tf.config.experimental.get_memory_info(device)["peak"]
-    first = loss if first is None else first
-    peaks.append(peak)
-    bases.append(base)
-    acts.append(peak - base)
-  return (statistics.median(peaks), statistics.median(bases), statistics.median(acts),
-          min(acts), max(acts), first)
 
 
 def _waits(graph_def, mesh, m):
@@ -176,7 +153,7 @@ def _measure_model(name, ms, device):
         f"{FLAGS.steps} steps after {FLAGS.warmup} warm-up")
   rows = []
   fn = ex.train_step
-  rows.append(("unsplit", 1, _measure(fn, inputs, device, FLAGS.steps, FLAGS.warmup),
+  rows.append(("unsplit", 1, step_memory(fn, inputs, device, FLAGS.steps, FLAGS.warmup),
                "", len(ex.concrete("train").graph.as_graph_def().node)))
   if FLAGS.explain:
     print("[unsplit] tf.function train step")
@@ -187,7 +164,7 @@ def _measure_model(name, ms, device):
     waits = "-"
     if m > 1:
       waits = "%d/%d" % _waits(step.graph_def, step.result.mesh, m)
-    rows.append((f"m={m}", m, _measure(step, inputs, device, FLAGS.steps, FLAGS.warmup),
+    rows.append((f"m={m}", m, step_memory(step, inputs, device, FLAGS.steps, FLAGS.warmup),
                  waits, len(step.graph_def.node)))
     if FLAGS.explain:
       print(f"[m={m}] split step")

@@ -53,15 +53,10 @@ running after a bounded wait.
         [--size small] [--batch 256] [--stages 4] [--microbatches 8] [--steps 5]
         [--schedules gpipe,1f1b,interleaved] [--virtual_stages 2] [--explain_top 20]
 """
-import json
 import os
-import queue
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
@@ -71,6 +66,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
 from benchlib import allocator_events, define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from tfsplit.runtime import workers as workers_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
 define_example_flags("small", "examples/models names, comma-separated")
@@ -109,152 +105,55 @@ flags.DEFINE_integer("worker", -1, "Internal: run as worker task i.")
 flags.DEFINE_list("ports", [], "Internal: the workers' loopback ports.")
 
 _MIB = 2.0**20
-_TAG = "@@bench "  # prefix of worker replies on stdout
-_HOST = "127.0.0.1"
+_HOST = workers_lib.HOST
 
 
 # ---------------------------------------------------------------- worker side
 
-def _reply(obj):
-  sys.stdout.write(_TAG + json.dumps(obj) + "\n")
-  sys.stdout.flush()
-
-
 def _worker_main(index, ports):
   """One TF server (task `index`) answering memory commands on stdin."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  cluster = tf.train.ClusterSpec({"worker": [f"{_HOST}:{p}" for p in ports]})
-  config = tf.compat.v1.ConfigProto(
-      inter_op_parallelism_threads=FLAGS.inter_op_threads,
-      intra_op_parallelism_threads=FLAGS.intra_op_threads)
-  tf.distribute.Server(cluster, job_name="worker", task_index=index, config=config,
-                       start=True)
+  workers_lib.start_server(workers_lib.cluster_spec(ports), workers_lib.JOB, index,
+                           inter_op_threads=FLAGS.inter_op_threads,
+                           intra_op_threads=FLAGS.intra_op_threads)
   device = "CPU:0"
 
-  def info():
+  def info(_arg=None):
     mem = tf.config.experimental.get_memory_info(device)
     return {"task": index, "current": int(mem["current"]), "peak": int(mem["peak"])}
 
-  _reply({"ready": index, **info()})
-  for line in sys.stdin:
-    cmd = line.strip()
-    if cmd == "reset":
-      tf.config.experimental.reset_memory_stats(device)
-      _reply(info())
-    elif cmd == "peak":
-      _reply(info())
-    elif cmd.startswith("profile "):
-      options = tf.profiler.experimental.ProfilerOptions(
-          host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
-      tf.profiler.experimental.start(cmd.split(" ", 1)[1], options=options)
-      _reply(info())
-    elif cmd == "endprofile":
-      tf.profiler.experimental.stop()
-      _reply(info())
-    elif cmd == "quit":
-      break
-    elif cmd:
-      _reply({"error": f"unknown command '{cmd}'"})
-  # A gRPC server cannot be stopped from Python; leave without joining it.
-  sys.stdout.flush()
-  os._exit(0)  # pylint: disable=protected-access
+  def reset(_arg):
+    tf.config.experimental.reset_memory_stats(device)
+    return info()
+
+  def profile(logdir):
+    options = tf.profiler.experimental.ProfilerOptions(
+        host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
+    tf.profiler.experimental.start(logdir, options=options)
+    return info()
+
+  def endprofile(_arg):
+    tf.profiler.experimental.stop()
+    return info()
+
+  workers_lib.serve_forever(info(), {"reset": reset, "peak": info, "profile": profile,
+                                     "endprofile": endprofile})
 
 
 # ---------------------------------------------------------------- client side
 
-def _free_ports(n):
-  """n distinct free loopback ports (bound to port 0, then released)."""
-  socks, ports = [], []
-  try:
-    for _ in range(n):
-      s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-      s.bind((_HOST, 0))
-      socks.append(s)
-      ports.append(s.getsockname()[1])
-  finally:
-    for s in socks:
-      s.close()
-  return ports
-
-
-class _Workers(object):
-  """S worker processes (one TF server each) and their command channels."""
+class _Workers(workers_lib.WorkerGroup):
+  """S worker processes (one TF server each, this script with --worker=i)
+  on free loopback ports, and their command channels."""
 
   def __init__(self, n, logdir, timeout):
-    self.ports = _free_ports(n)
-    self.timeout = timeout
-    self.procs, self._queues, self._logs = [], [], []
+    self.ports = workers_lib.free_ports(n)
     script = os.path.abspath(__file__)
-    try:
-      for i in range(n):
-        log = open(os.path.join(logdir, f"worker{i}_{self.ports[i]}.log"), "w",
-                   encoding="utf-8")
-        self._logs.append(log)
-        cmd = [sys.executable, script, f"--worker={i}",
-               "--ports=" + ",".join(str(p) for p in self.ports),
-               f"--inter_op_threads={FLAGS.inter_op_threads}",
-               f"--intra_op_threads={FLAGS.intra_op_threads}"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=log, text=True, bufsize=1)
-        self.procs.append(proc)
-        q = queue.Queue()
-        threading.Thread(target=self._pump, args=(proc, q), daemon=True).start()
-        self._queues.append(q)
-      self.ready = [self._read(i) for i in range(n)]
-    except BaseException:
-      self.stop()
-      raise
-
-  @staticmethod
-  def _pump(proc, q):
-    for line in proc.stdout:
-      if line.startswith(_TAG):
-        q.put(json.loads(line[len(_TAG):]))
-    q.put(None)  # end of output
-
-  def _read(self, i):
-    try:
-      reply = self._queues[i].get(timeout=self.timeout)
-    except queue.Empty:
-      raise RuntimeError(f"worker {i} did not answer within {self.timeout}s"
-                         f"{self._log_tail(i)}") from None
-    if reply is None or "error" in reply:
-      raise RuntimeError(f"worker {i} failed ({reply}){self._log_tail(i)}")
-    return reply
-
-  def _log_tail(self, i, lines=20):
-    self._logs[i].flush()
-    with open(self._logs[i].name, encoding="utf-8", errors="replace") as f:
-      tail = f.readlines()[-lines:]
-    return "; its log ends:\n" + "".join(tail) if tail else ""
-
-  def command(self, cmd):
-    """Sends `cmd` (a string, or one per worker) to every worker; their
-    replies, in task order."""
-    cmds = [cmd] * len(self.procs) if isinstance(cmd, str) else cmd
-    for proc, c in zip(self.procs, cmds):
-      proc.stdin.write(c + "\n")
-      proc.stdin.flush()
-    return [self._read(i) for i in range(len(self.procs))]
-
-  def stop(self):
-    """Asks every worker to quit; kills those still running after a bounded wait."""
-    for proc in self.procs:
-      try:
-        if proc.poll() is None:
-          proc.stdin.write("quit\n")
-          proc.stdin.flush()
-      except (BrokenPipeError, OSError, ValueError):
-        pass
-    deadline = time.time() + 10
-    for proc in self.procs:
-      try:
-        proc.wait(timeout=max(0.1, deadline - time.time()))
-      except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(timeout=10)
-    for log in self._logs:
-      log.close()
+    cmds = [[sys.executable, script, f"--worker={i}",
+             "--ports=" + ",".join(str(p) for p in self.ports),
+             f"--inter_op_threads={FLAGS.inter_op_threads}",
+             f"--intra_op_threads={FLAGS.intra_op_threads}"] for i in range(n)]
+    super().__init__(cmds, logdir=logdir, timeout=timeout)
 
 
 def _client_config(graph_def):

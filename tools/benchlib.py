@@ -32,6 +32,34 @@ def best_of(fn, repeats):
   return best, result
 
 
+def step_memory(fn, inputs, device, steps, warmup):
+  """(median peak, median baseline, median activation bytes, least and most
+  activation bytes, first loss) of `steps` calls fn(*inputs) after `warmup`
+  unmeasured ones, from `device`'s allocator statistics: the memory in use
+  just before a call is its baseline (variables, inputs), its peak minus
+  that the activation memory. On CPU the statistics need
+  TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow is imported."""
+  import statistics  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  first = None
+  for _ in range(warmup):
+    out = fn(*inputs)
+    first = float(out) if first is None else first
+  peaks, bases, acts = [], [], []
+  for _ in range(steps):
+    tf.config.experimental.reset_memory_stats(device)
+    base = tf.config.experimental.get_memory_info(device)["current"]
+    out = fn(*inputs)
+    loss = float(out)  # waits for the step
+    peak = tf.config.experimental.get_memory_info(device)["peak"]
+    first = loss if first is None else first
+    peaks.append(peak)
+    bases.append(base)
+    acts.append(peak - base)
+  return (statistics.median(peaks), statistics.median(bases), statistics.median(acts),
+          min(acts), max(acts), first)
+
+
 def allocator_events(logdir):
   """Allocator events of a profile written under `logdir` (tf.profiler's
   xplane.pb): [(time ps, 'MemoryAllocation'|'MemoryDeallocation', {stat: value})]

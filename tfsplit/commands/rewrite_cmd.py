@@ -47,8 +47,27 @@ def define_flags(fv):
                      "all-reduces over dp are packed into buckets of at most this size, "
                      "one collective each; 0 keeps one all-reduce per gradient.",
                      lower_bound=0.0, flag_values=fv)
+  flags.DEFINE_string("recompute", "none", "Recompute forward activations in the "
+                      "backward pass instead of keeping them: none, blocks (each "
+                      "repeated block keeps only its input), selective (the attention "
+                      "cores), auto (sqrt(n) checkpoints over the blocks), or name "
+                      "scopes 'scope1,scope2' (globs allowed, e.g. 'gpt/block_*').",
+                      flag_values=fv)
+  flags.DEFINE_integer("zero", 0, "Optimizer-state sharding over dp: 1 keeps 1/dp of "
+                       "the optimizer slots per replica (gradients reduce-scattered, "
+                       "updates all-gathered), 2 also each micro-batch's gradient sum; "
+                       "0 off. Needs a dp axis of 2 or more.", flag_values=fv)
   flags.DEFINE_float("collective-timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
+  flags.DEFINE_string("cluster", None, "Place the mesh on a cluster's worker tasks: "
+                      "TF_CONFIG (the environment variable, as 'tfsplit launch' sets it) "
+                      "or a JSON file (a TF_CONFIG or {\"worker\": [\"host:port\", ...]}); "
+                      "devices are /job:worker/task:i/device:KIND:j.", flag_values=fv)
+  flags.DEFINE_list("across-tasks", ["dp", "pp"], "With --cluster: mesh axes laid across "
+                    "tasks; the others stay within a task.", flag_values=fv)
+  flags.DEFINE_integer("devices-per-task", None, "With --cluster: devices of each task "
+                       "(default: the cluster's tfsplit.devices_per_task, else 1).",
+                       lower_bound=1, flag_values=fv)
   common.define_source(fv, "IN")
 
 
@@ -57,6 +76,7 @@ def run(fv, args):
   lines = rewrite.rewrite_file(args[0], **common.values(
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",
-      "virtual-stages", "bucket-mb"))
+      "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task"),
+      across_tasks=tuple(fv["across-tasks"].value))
   sys.stdout.write("\n".join(lines) + "\n")
   return 0

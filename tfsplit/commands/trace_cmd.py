@@ -24,12 +24,18 @@ def define_flags(fv):
   flags.DEFINE_string("original", None, "The original graph (for forward/backward labels; "
                       "default: the manifest's source).", flag_values=fv)
   flags.DEFINE_integer("seed", 0, "Seed of variable values and inputs.", flag_values=fv)
+  flags.DEFINE_string("cluster", None, "For a graph placed on worker tasks (tfsplit "
+                      "rewrite --cluster): the cluster that runs it, TF_CONFIG or a JSON "
+                      "file (default: TF_CONFIG, as 'tfsplit launch' sets it).",
+                      flag_values=fv)
+  flags.DEFINE_float("timeout", 600.0, "On a cluster: seconds a step may take.",
+                     lower_bound=0.0, flag_values=fv)
 
 
 def run(fv, args):
   from tfsplit.runtime import session  # pylint: disable=import-outside-toplevel
   events, devices = session.trace_file(args[0], fv.output, fv.manifest, fv.original,
-                                       fv.seed)
+                                       fv.seed, fv.cluster, fv.timeout)
   sys.stdout.write(f"traced {events} op executions on {devices} devices; "
                    f"wrote {fv.output}\n")
   return 0

@@ -29,6 +29,13 @@ def define_flags(fv):
                        "(default: the smallest embedding table).", flag_values=fv)
   flags.DEFINE_boolean("all", False, "Show every variable, not only the worst.",
                        flag_values=fv)
+  flags.DEFINE_string("cluster", None, "For a graph placed on worker tasks (tfsplit "
+                      "rewrite --cluster): the cluster that runs it, TF_CONFIG or a JSON "
+                      "file (default: TF_CONFIG, as 'tfsplit launch' sets it).",
+                      flag_values=fv)
+  flags.DEFINE_float("timeout", 600.0, "On a cluster: seconds a step may take before it "
+                     "fails (a dead worker is then an error naming it, not a hang).",
+                     lower_bound=0.0, flag_values=fv)
   common.define_source(fv, "ORIGINAL")
 
 
@@ -36,6 +43,6 @@ def run(fv, args):
   from tfsplit.runtime import verify  # pylint: disable=import-outside-toplevel
   report = verify.verify_files(*args, **common.values(
       fv, "manifest", "signature", "variables", "steps", "seed", "rtol", "int-max",
-      "update-rtol"))
+      "update-rtol", "cluster"), timeout_seconds=fv.timeout)
   sys.stdout.write(report.table(show_all=fv.all) + "\n")
   return 0 if report.ok else 1

@@ -43,6 +43,9 @@ OPTIMIZER_LAYER = "(optimizer)"  # update ops shared by all layers
 _MAX_GRADIENT_SEARCH = 256
 _NOT_ACTIVATIONS = frozenset(["Const", "ReadVariableOp", "VarHandleOp",
                               "Placeholder", "Shape", "ShapeN", "Size", "Rank"])
+# On a forward op's copy made for the backward pass (memory/recompute.py): the
+# original's name. The copy is a backward op of the original's layer.
+RECOMPUTE_OF_ATTR = "_tfsplit_recompute_of"
 
 
 @dataclasses.dataclass
@@ -193,6 +196,9 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   role = {}
   for name in order:
     base, is_grad = _strip_grad(name)
+    attr = graph.node(name).attr
+    if RECOMPUTE_OF_ATTR in attr:
+      base, is_grad = _strip_grad(attr[RECOMPUTE_OF_ATTR].s.decode())[0], True
     stripped[name] = base
     if is_grad:
       role[name] = BACKWARD

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.memory import recompute as recompute_lib
 from tfsplit.pipeline.schedules import Interleaved
 
 STRATEGIES = ("megatron", "none")
@@ -39,6 +40,14 @@ class SplitConfig:
   bucket_bytes: gradient all-reduces over the data axis are packed into
     buckets of at most this many bytes per device, one collective each
     (sharding/buckets.py); 0 keeps one all-reduce per gradient.
+  recompute: recomputation of forward activations for the backward pass
+    (memory/recompute.py): None/'none', 'blocks', 'selective', 'auto', or name
+    scopes (a list, or a string with ',' or '/'); read through
+    `recompute_mode`.
+  zero: optimizer-state sharding over the 'dp' axis (sharding/zero.py): 0
+    off; 1 each replica keeps 1/dp of the optimizer slots (gradients
+    reduce-scattered into them, updates all-gathered); 2 also keeps each
+    micro-batch's gradient sum as its block only.
   """
   mesh: object
   strategy: Optional[str] = "megatron"
@@ -51,8 +60,11 @@ class SplitConfig:
   balance: str = "cost"
   virtual_stages: int = 1
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
+  recompute: object = None
+  zero: int = 0
 
   def __post_init__(self):
+    recompute_lib.parse(self.recompute)
     if int(self.microbatches) < 1:
       raise PlanError(f"microbatches must be >= 1, got {self.microbatches}")
     if self.strategy not in STRATEGIES + (None,):
@@ -84,6 +96,18 @@ class SplitConfig:
     if self.balance not in BALANCES:
       raise PlanError(f"unknown stage balance '{self.balance}'; choose one of: "
                       f"{', '.join(BALANCES)}")
+    z = self.zero
+    if isinstance(z, bool) or not isinstance(z, numbers.Integral) or z not in (0, 1, 2):
+      raise PlanError(f"zero must be 0, 1 or 2 (optimizer-state sharding stage), got {z!r}")
+    if z and self.mesh.axes.get(constants.DATA_AXIS, 1) < 2:
+      raise PlanError(f"zero={z} shards optimizer state over the data axis, but mesh "
+                      f"{self.mesh} has no '{constants.DATA_AXIS}' axis of 2 or more; add "
+                      f"one (mesh 'dp=2,...', --mesh dp=2,...) or use zero=0")
+
+  @property
+  def recompute_mode(self):
+    """None, 'blocks', 'selective', 'auto' or a tuple of name scopes."""
+    return recompute_lib.parse(self.recompute)
 
   @property
   def stages(self):

@@ -7,9 +7,17 @@
      "virtual_stages": 1,                 # model chunks per stage; "stages" lists
                                           # the layers of each chunk (chunk c on stage c % S)
      "source": "/abs/path/in.pb" | null,
+     "zero": 0 | 1 | 2,                   # optimizer-state sharding stage over dp
      "variables": {name: {"dtype", "shape", "sharding", "shards": [
-         {"name", "device", "device_id", "offsets", "shape"}]}},
+         {"name", "device", "device_id", "offsets", "shape"}],
+         # with zero: an optimizer slot names its weight, and one kept
+         # whole over dp says why (sharding/zero.py)
+         "optimizer_slot_of": weight, "zero_kept": why}},
      "outputs": {output: [[device, local tensor], ...]}}   # every whole copy
+
+Each shard says which block of its variable it holds (offsets, shape) on
+which device; an optimizer slot split over dp is one block per replica, and
+checkpoint conversion (runtime/shards.py) puts the blocks back together.
 """
 import json
 import os
@@ -34,6 +42,7 @@ def build(result, source=None):
           "schedule": config.schedule if config.stages > 1 else None,
           "stages": result.partition,
           "virtual_stages": int(config.virtual_stages),
+          "zero": int(getattr(config, "zero", 0)),
           "source": os.path.abspath(source) if source else None,
           "variables": result.manifest, "outputs": result.output_copies}
 

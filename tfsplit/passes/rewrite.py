@@ -32,9 +32,12 @@ def parse_layer_ranges(text):
                        "e.g. 0:3,3:6") from None
 
 
-def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost"):
+def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost", cluster=None,
+              across=None, devices_per_task=None):
   """The Mesh of `mesh` axes (with a 'pp' axis of `stages` in front when > 1)
-  over devices of type `devices` ('cpu' or 'gpu') of job `job`."""
+  over devices of type `devices` ('cpu' or 'gpu') of job `job`; with
+  `cluster` ('TF_CONFIG', a spec file, a ClusterResolver: runtime/cluster.py)
+  over its tasks, the `across` axes (default dp, pp) across tasks."""
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   axes = Mesh.parse(mesh).axes
   if stages > 1:
@@ -46,16 +49,29 @@ def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost"):
   for s in axes.values():
     size *= s
   kind = devices.upper()
+  if cluster is not None:
+    from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+    found = cluster if isinstance(cluster, cluster_lib.Cluster) else cluster_lib.resolve(
+        cluster, devices_per_task=devices_per_task, required=True)
+    found.kind = kind if devices != "cpu" else found.kind
+    return cluster_lib.mesh_on_cluster(axes, found, tuple(across or
+                                                          cluster_lib.DEFAULT_ACROSS))
   return Mesh(axes, [f"/job:{job}/replica:0/task:0/device:{kind}:{i}" for i in range(size)])
 
 
 def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cpu",
                  job="localhost", strategy="megatron", annotate=(), microbatches=1,
                  schedule="1f1b", collective_timeout=600.0, signature=None,
-                 variables=None, virtual_stages=1, bucket_mb=25.0):
+                 variables=None, virtual_stages=1, bucket_mb=25.0, zero=0,
+                 recompute="none", cluster=None, across_tasks=None, devices_per_task=None):
   """Splits the graph at `source` and writes it to `output` with its manifest.
 
+  cluster / across_tasks / devices_per_task: place the mesh on a cluster's
+  worker tasks (see make_mesh).
+
   bucket_mb: gradient bucket size in MiB (0: one all-reduce per gradient).
+  recompute: none, blocks, selective, auto or 'scope1,scope2' (memory/recompute.py).
+  zero: optimizer-state sharding stage over dp (0, 1 or 2).
   Returns the summary lines of what was done.
   """
   from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
@@ -65,14 +81,15 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   t0 = time.perf_counter()
   graph_def = load_graph(source, signature=signature, variables_from=variables)
   recover.require_variable_shapes(graph_def, source)
-  the_mesh = make_mesh(mesh, stages, devices, job)
+  the_mesh = make_mesh(mesh, stages, devices, job, cluster, across_tasks, devices_per_task)
   layer_ranges = parse_layer_ranges(layers)
   result = split_graph(graph_def, the_mesh, strategy=strategy,
                        annotations=dict(parse_annotation(a) for a in annotate),
                        timeout_seconds=collective_timeout, microbatches=microbatches,
                        schedule=schedule, layer_ranges=layer_ranges,
                        virtual_stages=virtual_stages,
-                       bucket_bytes=int(round(bucket_mb * 2**20)))
+                       bucket_bytes=int(round(bucket_mb * 2**20)), zero=zero,
+                       recompute=recompute)
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)
@@ -101,6 +118,18 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                  f"{'/'.join(sorted({c.axis for c in buckets}))} packed into "
                  f"{max(per_group.values())} bucket(s) per group ({len(per_group)} "
                  f"group(s), at most {bucket_mb:g} MiB each)")
+  scattered = [c for c in result.collectives
+               if c.kind in ("reduce_scatter_bucket", "all_gather_bucket")]
+  if zero:
+    from tfsplit.sharding import zero as zero_lib  # pylint: disable=import-outside-toplevel
+    lines.append(f"  optimizer-state sharding: {result.count('reduce_scatter')} "
+                 f"reduce-scatters, {result.count('all_gather')} all-gathers, in "
+                 f"{len(scattered)} bucket(s)")
+    lines += zero_lib.summary(result.manifest, the_mesh.axes, zero)
+  if result.config.recompute_mode is not None:
+    from tfsplit.memory import recompute as recompute_lib  # pylint: disable=import-outside-toplevel
+    lines.append("  " + recompute_lib.graph_summary(result.graph_def,
+                                                     result.config.recompute_mode))
   lines += [f"  fallback: {msg}" for msg in result.fallbacks]
   lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
   return lines

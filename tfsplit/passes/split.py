@@ -8,9 +8,13 @@ another module's private fields:
 
 1. fold_static_shapes   shape arithmetic -> constants (global values); IdentityN
                          split per output
+   recompute_activations  recompute= only: forward copies for the backward,
+                         gated on the gradient that starts each segment
 2. plan_variables       variable shardings: strategy (megatron) + annotations
 3. propagate_layouts    a sharding for every tensor; optimizer-slot and bias
                          shardings inferred from the ops that use them
+   shard_optimizer_state  zero= only: optimizer slots split over dp, gradients
+                         constrained to their blocks, propagated again
 4. assign_stages        pipeline only: every node's stage (its model chunk
                          with virtual stages: chunk c runs on stage c % S)
 5. materialize          one copy of each op per device, collectives between
@@ -38,6 +42,7 @@ from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.ir import without_gc
+from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
 from tfsplit.passes.config import DEFAULT_BUCKET_BYTES, SplitConfig
 from tfsplit.passes.result import SplitResult
@@ -46,6 +51,7 @@ from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.graph.endpoints import graph_inputs
 from tfsplit.sharding import buckets as buckets_lib
+from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.materialize import materialize
 from tfsplit.sharding.propagate import propagate
 from tfsplit.sharding.spec import Sharding
@@ -66,6 +72,10 @@ class SplitState:
   stage_of: Optional[Dict[str, int]] = None  # node -> model chunk (= stage when v = 1)
   materialized: object = None
   schedule_edges: int = 0
+  # recompute_activations' record (memory/recompute.Recomputed: {copy:
+  # original}, segments with their gates), or None
+  recomputed: object = None
+  zero: object = None   # shard_optimizer_state's sharding.zero.ZeroPlan, or None
 
 
 # --- passes ----------------------------------------------------------------------
@@ -77,6 +87,21 @@ def fold_shapes(state):
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
                       "load the graph from its tf.function so shapes are recorded, or "
                       "give the shapes with --variables")
+
+
+def recompute_activations(state):
+  """Recomputation (config.recompute): on the global, folded graph, the
+  forward ops of each segment are copied for its backward pass and gated on
+  the gradient that starts it (memory/recompute.py); every later pass copies
+  and orders the copies as backward ops of their original's layer."""
+  mode = state.config.recompute_mode
+  if mode is None:
+    return
+  analysis = state.analysis
+  state.recomputed = recompute_lib.recompute(analysis.graph, analysis.shapes,
+                                             analysis.layers, mode, analysis.variables)
+  analysis.replace(state.recomputed.graph_def, known_shapes=state.recomputed.known_shapes)
+  logging.info("%s", recompute_lib.summary(state.recomputed))
 
 
 def plan_variables(state):
@@ -103,6 +128,23 @@ def propagate_layouts(state):
                                 state.input_specs, analysis.variables, state.explicit)
 
 
+def shard_optimizer_state(state):
+  """Optimizer-state sharding (config.zero): each optimizer slot split over
+  'dp' on top of the sharding propagation gave it, each weight's gradient
+  constrained to that split (reduce-scattered into it), every variable's
+  sharding then fixed and propagated again (sharding/zero.py)."""
+  if not state.config.zero:
+    return
+  analysis, specs = state.analysis, state.propagation.variable_specs
+  state.zero = zero_lib.plan_zero(analysis, state.propagation, state.mesh,
+                                  state.config.zero)
+  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero))
+  state.plan = {handle: tuple(spec.dims) for handle, spec in specs.items()}
+  state.plan.update(state.zero.dims)
+  state.explicit = dict(state.plan)
+  propagate_layouts(state)
+
+
 def assign_stages(state):
   stages = state.config.stages
   if stages <= 1 and constants.PIPELINE_AXIS not in state.mesh.axes:
@@ -123,7 +165,10 @@ def materialize_devices(state):
   analysis = state.analysis
   state.materialized = materialize(analysis.graph, analysis.shapes, state.mesh,
                                    state.propagation, analysis.variables,
-                                   state.config.timeout_seconds, state.stage_of)
+                                   state.config.timeout_seconds, state.stage_of,
+                                   scatter_microbatches=state.config.zero >= 2)
+  if state.zero is not None:
+    zero_lib.annotate_manifest(state.materialized.manifest, state.zero, analysis.variables)
 
 
 def check_microbatch_independence(state):
@@ -198,9 +243,9 @@ def check_acyclic(state):
                     f"({e}); try another schedule or partition") from None
 
 
-PASSES = (fold_shapes, plan_variables, propagate_layouts, assign_stages,
-          materialize_devices, check_microbatch_independence, order_work, bucket_gradients,
-          check_acyclic)
+PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
+          shard_optimizer_state, assign_stages, materialize_devices,
+          check_microbatch_independence, order_work, bucket_gradients, check_acyclic)
 
 
 @without_gc
@@ -226,11 +271,11 @@ def run_passes(graph_def, config):
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
                 layer_ranges=None, balance="cost", virtual_stages=1,
-                bucket_bytes=DEFAULT_BUCKET_BYTES):
+                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
                        layer_ranges, timeout_seconds, axis, balance, virtual_stages,
-                       bucket_bytes=bucket_bytes)
+                       bucket_bytes=bucket_bytes, recompute=recompute, zero=zero)
   return run_passes(graph_def, config)
 
 

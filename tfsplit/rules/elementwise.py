@@ -8,7 +8,7 @@ one input of a product (Mul, the numerator of RealDiv, the dy of ReluGrad).
 import dataclasses
 
 from tfsplit.rules.base import Decision, divisible, register
-from tfsplit.sharding.spec import Sharding
+from tfsplit.sharding.spec import Sharding, constraint_of
 
 UNARY = (
     "Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Exp", "Log",
@@ -107,6 +107,10 @@ def _local_shape_attr(lctx):
 
 @register(*LINEAR_UNARY)
 def linear_unary(ctx):
+  constraint = constraint_of(ctx.node)
+  if constraint is not None:
+    # A sharding constraint: its input is resharded into what it asks for.
+    return Decision([constraint], [constraint])
   if ctx.node.op == "Cast":
     # Casting to an integer type is not linear.
     src, dst = ctx.node.attr["SrcT"].type, ctx.node.attr["DstT"].type

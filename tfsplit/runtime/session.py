@@ -58,7 +58,7 @@ class SessionRunner(object):
     self.graph = tf.Graph()
     with self.graph.as_default():
       tf.graph_util.import_graph_def(self.graph_def, name="")
-      inits, self._feeds = [], {}
+      inits, self._placeholders = [], {}
       for info in find_variables(graph):
         if info.name not in values:
           raise TfsplitError(f"no value for variable '{info.name}'")
@@ -66,17 +66,29 @@ class SessionRunner(object):
         with tf.device(handle.device):
           value = tf.compat.v1.placeholder(tf.as_dtype(info.dtype), info.shape)
           inits.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value))
-        self._feeds[value] = values[info.name]
+        self._placeholders[info.name] = value
       self._init = tf.group(*inits)
     if config is None:
       config = session_config(graph_def, num_cpus)
     self.session = tf.compat.v1.Session(target, graph=self.graph, config=config)
-    self.session.run(self._init, feed_dict=self._feeds)
+    self.assign(values)
 
-  def run(self, inputs, trace=False):
-    """Outputs of one step; with trace=True also its RunMetadata."""
-    feeds = {self.graph.get_tensor_by_name(n + ":0"): v for n, v in zip(self.inputs, inputs)}
-    fetches = [self.graph.get_tensor_by_name(n + ":0") for n in self.outputs]
+  def assign(self, values):
+    """Sets every variable (by recorded name) to values[name], in one run."""
+    missing = sorted(set(self._placeholders) - set(values))
+    if missing:
+      raise TfsplitError(f"no value for variable '{missing[0]}'")
+    self.session.run(self._init, feed_dict={p: values[n]
+                                            for n, p in self._placeholders.items()})
+
+  def _tensor(self, name):
+    return self.graph.get_tensor_by_name(name if ":" in name else name + ":0")
+
+  def run(self, inputs, trace=False, fetch=None):
+    """Outputs of one step (or the tensors named in `fetch`); with trace=True
+    also its RunMetadata."""
+    feeds = {self._tensor(n): v for n, v in zip(self.inputs, inputs)}
+    fetches = [self._tensor(n) for n in (self.outputs if fetch is None else fetch)]
     if not trace:
       return self.session.run(fetches, feed_dict=feeds), None
     options = tf.compat.v1.RunOptions(trace_level=tf.compat.v1.RunOptions.FULL_TRACE)
@@ -86,15 +98,23 @@ class SessionRunner(object):
     return out, metadata
 
   def variable_values(self, names):
-    with self.graph.as_default():
-      out = {}
-      for name in names:
-        node = next(n for n in self.graph_def.node
-                    if n.op == "VarHandleOp" and n.attr["shared_name"].s.decode() == name)
-        handle = self.graph.get_tensor_by_name(node.name + ":0")
-        out[name] = self.session.run(tf.raw_ops.ReadVariableOp(
-            resource=handle, dtype=tf.as_dtype(node.attr["dtype"].type)))
-      return out
+    """{variable (shard) name: numpy value}, read in one run (the read ops are
+    made once per name)."""
+    if not hasattr(self, "_reads"):
+      self._reads = {}
+    missing = [n for n in names if n not in self._reads]
+    if missing:
+      nodes = {n.attr["shared_name"].s.decode(): n for n in self.graph_def.node
+               if n.op == "VarHandleOp"}
+      with self.graph.as_default():
+        for name in missing:
+          node = nodes[name]
+          handle = self.graph.get_tensor_by_name(node.name + ":0")
+          with tf.device(handle.device):
+            self._reads[name] = tf.raw_ops.ReadVariableOp(
+                resource=handle, dtype=tf.as_dtype(node.attr["dtype"].type))
+    names = list(names)
+    return dict(zip(names, self.session.run([self._reads[n] for n in names])))
 
 
 def session_config(graph_def, num_cpus=None):
@@ -240,9 +260,12 @@ def seeded_values(graph_def, manifest=None, seed=0):
   return seeds.seeded_manifest_values(manifest, seed)
 
 
-def trace_file(path, output, manifest=None, original=None, seed=0):
+def trace_file(path, output, manifest=None, original=None, seed=0, cluster=None,
+               timeout_seconds=600.0):
   """Runs the graph at `path` once to warm up and once traced, in a Session
-  on logical CPU devices, and writes a Chrome trace of every op to `output`.
+  on logical CPU devices (a graph placed on worker tasks: on `cluster`,
+  default TF_CONFIG, see runtime/cluster.py), and writes a Chrome trace of
+  every op to `output`.
 
   Ops of a split graph (one with a manifest, default: beside it) are labelled
   with their micro-batch and forward/backward role, the roles coming from
@@ -251,16 +274,25 @@ def trace_file(path, output, manifest=None, original=None, seed=0):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(path)
   data = manifest_lib.find(path, manifest)
-  ensure_logical_devices(required_devices(graph_def))
-  runner = SessionRunner(graph_def, seeded_values(graph_def, data["variables"] if data
-                                                  else None, seed))
+  on_cluster = cluster_lib.cluster_for_graph(graph_def, cluster)
+  values = seeded_values(graph_def, data["variables"] if data else None, seed)
+  if on_cluster is not None:
+    runner = cluster_lib.ClusterRunner(graph_def, values, on_cluster, timeout_seconds)
+  else:
+    ensure_logical_devices(required_devices(graph_def))
+    runner = SessionRunner(graph_def, values)
   original = original or (data or {}).get("source")
   source_graph = load_graph(original) if original and os.path.exists(original) else graph_def
   inputs = seeds.seeded_inputs(Graph(source_graph), seed)
-  runner.run(inputs)
-  _, metadata = runner.run(inputs, trace=True)
+  try:
+    runner.run(inputs)
+    _, metadata = runner.run(inputs, trace=True)
+  finally:
+    if on_cluster is not None:
+      runner.close(reset=True)
   events = op_events(metadata)
   labels = {}
   if data:

@@ -17,6 +17,8 @@ import tensorflow as tf
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
+from tfsplit.runtime import checkpoint as checkpoint_lib
+from tfsplit.runtime import cluster as cluster_lib
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import import_graph, traced_call
 from tfsplit.sharding.mesh import Mesh
@@ -70,8 +72,14 @@ class SplitFunction(object):
   def __init__(self, fn, mesh, strategy="megatron", input_signature=None,
                annotations=None, variable_names=None, timeout_seconds=None,
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
-               bucket_bytes=DEFAULT_BUCKET_BYTES):
-    self.mesh = make_mesh(mesh)
+               bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None):
+    # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
+    # worker tasks and one Session client drives them (runtime/cluster.py).
+    self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
+    self.mesh = cluster_mesh or make_mesh(mesh)
+    if self.cluster is not None and timeout_seconds is None:
+      timeout_seconds = cluster_lib.DEFAULT_TIMEOUT_SECONDS
+    self._runner = None
     concrete = (fn.get_concrete_function(*input_signature) if input_signature
                 else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
         else fn
@@ -81,17 +89,45 @@ class SplitFunction(object):
                               annotations=annotations, timeout_seconds=timeout_seconds,
                               microbatches=microbatches, schedule=schedule,
                               layer_ranges=layer_ranges, virtual_stages=virtual_stages,
-                              bucket_bytes=bucket_bytes)
+                              bucket_bytes=bucket_bytes, recompute=recompute, zero=zero)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
-    self.variables = shards_lib.create_shard_variables(self.manifest, values)
-    self._fn = import_graph(self.graph_def, self.variables)
+    if self.cluster is not None:
+      self.variables, self._fn = None, None
+      self._runner = cluster_lib.ClusterRunner(
+          self.graph_def, shards_lib.shard_values(self.manifest, values), self.cluster,
+          timeout_seconds)
+    else:
+      self.variables = shards_lib.create_shard_variables(self.manifest, values)
+      self._fn = import_graph(self.graph_def, self.variables)
     self._structured_outputs = concrete.structured_outputs
 
   def __call__(self, *args):
+    if self._runner is not None:  # on a cluster: numpy outputs
+      outputs, _ = self._runner.run([np.asarray(a) for a in args])
+      return outputs[0] if len(outputs) == 1 else outputs
     outputs = self._fn(*args)
     return outputs[0] if len(outputs) == 1 else outputs
+
+  def save(self, directory, step, keep=2):
+    """Checkpoints every shard (one file per device) and the manifest into
+    DIR/ckpt-<step>, atomically; returns its path (runtime/checkpoint.py)."""
+    return checkpoint_lib.save(directory, self.manifest, self.shard_values(), step,
+                               {"axes": self.mesh.axes, "devices": self.mesh.devices}, keep)
+
+  def restore(self, directory):
+    """Loads the latest checkpoint in `directory` (or a ckpt-* path) into the
+    shards, converting one of another mesh through full values; returns its
+    step."""
+    meta, saved = checkpoint_lib.load(directory)
+    values = checkpoint_lib.convert(meta, saved, self.manifest)
+    if self._runner is not None:
+      self._runner.assign(values)
+    else:
+      for name, value in values.items():
+        self.variables[name].assign(value)
+    return meta["step"]
 
   def trace(self, *args):
     """(outputs, op events) of one step, traced with TF's profiler; events are
@@ -101,6 +137,9 @@ class SplitFunction(object):
 
   def shard_values(self):
     """{shard name: numpy value}, every device's copy (see self.manifest)."""
+    if self._runner is not None:
+      return self._runner.variable_values(
+          [s["name"] for e in self.manifest.values() for s in e["shards"]])
     return {k: v.numpy() for k, v in self.variables.items()}
 
   def full_values(self):
@@ -115,7 +154,8 @@ class SplitFunction(object):
 
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
           variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
-          layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES):
+          layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
+          recompute=None, zero=0, cluster=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -126,7 +166,20 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
     microbatches a multiple of the stages).
   bucket_bytes: gradient all-reduces over 'dp' are packed into buckets of at
     most this many bytes (default 25 MiB); 0: one all-reduce per gradient.
+  recompute: recompute forward activations in the backward pass instead of
+    keeping them: 'blocks' (each repeated block), 'auto' (sqrt(n) checkpoints
+    over the blocks), 'selective' (the attention cores) or a list of name
+    scopes; any mesh, 'dp=1' included (memory/recompute.py).
+  zero: optimizer-state sharding over 'dp' (sharding/zero.py): 1 keeps 1/dp
+    of the optimizer slots per replica (gradients reduce-scattered, updates
+    all-gathered), 2 also each micro-batch's gradient sum; 0 (default) off.
+  cluster: run on a cluster's worker tasks ('TF_CONFIG', a spec file, a dict
+    or a tf.distribute.cluster_resolver.ClusterResolver; default: TF_CONFIG
+    when it names a cluster, as under `tfsplit launch`): dp and pp across
+    tasks, the other axes within one, driven by one Session client; calls
+    return numpy values, and timeout_seconds (default 600) bounds every
+    collective and step (runtime/cluster.py).
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
                        timeout_seconds, microbatches, schedule, layer_ranges,
-                       virtual_stages, bucket_bytes)
+                       virtual_stages, bucket_bytes, recompute, zero, cluster)

@@ -38,8 +38,13 @@ def reverse_batch(values, batch):
 
 
 def short_device(device):
-  """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'CPU:1'."""
-  return str(device).rsplit("device:", 1)[-1]
+  """'/job:localhost/replica:0/task:0/device:CPU:1' -> 'CPU:1';
+  '/job:worker/replica:0/task:1/device:CPU:0' -> 'task:1/CPU:0'."""
+  device = str(device)
+  short = device.rsplit("device:", 1)[-1]
+  if "/job:" in device and "/job:localhost/" not in device and "/task:" in device:
+    short = "task:" + device.split("/task:", 1)[1].split("/", 1)[0] + "/" + short
+  return short
 
 
 def _run(graph_def, variables, inputs, steps, outputs=None):
@@ -51,6 +56,22 @@ def _run(graph_def, variables, inputs, steps, outputs=None):
     results = [o.numpy() for o in fn(*tensors)]
     out.append((results, {k: v.numpy() for k, v in variables.items()}))
   return out
+
+
+def _run_on_cluster(graph_def, values, inputs, steps, outputs, cluster, timeout_seconds):
+  """_run's results for a graph placed on `cluster`'s workers, driven by one
+  Session client (runtime/cluster.py); `values` are {variable: numpy value}
+  by the names the graph records (shard names for a split graph)."""
+  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  runner = cluster_lib.ClusterRunner(graph_def, values, cluster, timeout_seconds)
+  try:
+    names, out = list(values), []
+    for _ in range(steps):
+      results, _ = runner.run(inputs, fetch=outputs)
+      out.append(([np.asarray(r) for r in results], runner.variable_values(names)))
+    return out
+  finally:
+    runner.close(reset=True)
 
 
 # The reference runs of the last few originals: checking several rewrites of
@@ -89,8 +110,13 @@ def _reference(original, values, inputs, steps, n_outputs, fresh):
 
 def verify(original, rewritten, manifest=None, steps=1, seed=0,
            rtol=compare_lib.DEFAULT_RTOL, int_max=None, every_step=False,
-           update_rtol=compare_lib.DEFAULT_UPDATE_RTOL):
+           update_rtol=compare_lib.DEFAULT_UPDATE_RTOL, cluster=None,
+           timeout_seconds=600.0):
   """compare.Report of `rewritten` against `original` (GraphDefs or paths).
+
+  A rewritten graph placed on worker tasks (`tfsplit rewrite --cluster`) runs
+  on `cluster` (default TF_CONFIG: see runtime/cluster.py), each step bounded
+  by `timeout_seconds`; the original runs in this process.
 
   manifest: the rewritten graph's shard manifest (a path, the manifest dict
   `tfsplit rewrite` writes, or {variable: shard entry}); None if its variables
@@ -122,11 +148,19 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   def fresh(named_values):
     return {k: tf.Variable(v) for k, v in named_values.items()}
 
+  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  on_cluster = cluster_lib.cluster_for_graph(rewritten, cluster)
   want, alt, use_noise = _reference(original, values, inputs, steps, len(outputs), fresh)
-  new_vars = (shards_lib.create_shard_variables(manifest, values) if manifest is not None
-              else fresh(values))
   copies = [(name, d, tensor) for name in outputs for d, tensor in output_copies.get(name, [])]
-  got = _run(rewritten, new_vars, inputs, steps, outputs + [t for _, _, t in copies])
+  fetch = outputs + [t for _, _, t in copies]
+  if on_cluster is not None:
+    got = _run_on_cluster(rewritten, shards_lib.shard_values(manifest, values)
+                          if manifest is not None else values, inputs, steps, fetch,
+                          on_cluster, timeout_seconds)
+  else:
+    new_vars = (shards_lib.create_shard_variables(manifest, values) if manifest is not None
+                else fresh(values))
+    got = _run(rewritten, new_vars, inputs, steps, fetch)
   if manifest is not None:
     manifest = {name: dict(entry, shards=[dict(s, device=short_device(s["device"]))
                                           for s in entry["shards"]])
@@ -161,14 +195,17 @@ def verify_files(original, rewritten, manifest=None, signature=None, variables=N
 
   manifest: path of the rewritten graph's manifest (default: beside it, if
   present). signature / variables: how to load `original` (see load_graph).
-  options: verify()'s steps, seed, rtol, int_max, update_rtol.
+  options: verify()'s steps, seed, rtol, int_max, update_rtol, cluster,
+  timeout_seconds.
   """
   from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import devices as devices_lib  # pylint: disable=import-outside-toplevel
   # Devices first: loading a SavedModel starts TensorFlow's runtime, after
   # which the logical devices the rewritten graph needs can no longer be made.
+  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   rewritten_def = load_graph(rewritten)
-  devices_lib.ensure_logical_devices(devices_lib.required_devices(rewritten_def))
+  if not cluster_lib.needs_cluster(rewritten_def):
+    devices_lib.ensure_logical_devices(devices_lib.required_devices(rewritten_def))
   original_def = load_graph(original, signature=signature, variables_from=variables)
   recover.require_variable_shapes(original_def, original)
   return verify(original_def, rewritten_def, manifest_lib.find(rewritten, manifest),

@@ -23,6 +23,15 @@ global shape and sharding, its place in the original graph, the instance key.
 A bucket launches when its last member is ready: no ordering is added. An
 all-reduce whose input depends on the result of another gradient all-reduce
 stays alone (packing the two would make a cycle).
+
+With optimizer-state sharding (sharding/zero.py) the gradients are
+reduce-scattered over the data axis and the updates all-gathered; those are
+packed the same way, each kind in buckets of its own. A reduce-scatter
+bucket cuts each member into the n blocks its members own ([n, elements/n])
+and concatenates them block by block, so block i of the bucket holds every
+member's block i; an all-gather bucket concatenates the members' blocks and
+cuts the gathered [n, elements] back per member. The members' own records
+stay, as for all-reduces.
 """
 import collections
 import dataclasses
@@ -42,7 +51,12 @@ from tfsplit.graph.ir import parse_input
 from tfsplit.sharding.builder import NodeRecord, safe_axis, stamp_records, unique_name
 from tfsplit.sharding.reshard import CollectiveRecord
 
-BUCKET = "bucket"   # CollectiveRecord.kind of a bucket
+BUCKET = "bucket"   # CollectiveRecord.kind of a bucket of all-reduces
+# ... of reduce-scatters and of all-gathers (optimizer-state sharding)
+REDUCE_SCATTER_BUCKET = "reduce_scatter_bucket"
+ALL_GATHER_BUCKET = "all_gather_bucket"
+_BUCKET_KIND = {"all_reduce": BUCKET, "reduce_scatter": REDUCE_SCATTER_BUCKET,
+                "all_gather": ALL_GATHER_BUCKET}
 _OP = "CollectiveReduceV2"
 # Attrs the members of one bucket must share (the bucket's collective copies them).
 _SHARED_ATTRS = ("T", "merge_op", "final_op", "communication_hint", "timeout_seconds",
@@ -78,6 +92,8 @@ class _Instance:
   attrs: tuple
   position: tuple                  # (depth, topological index) in the original graph
   global_elements: int
+  kind: str = "all_reduce"         # or reduce_scatter / all_gather
+  outputs: dict = None             # device id -> the node giving the result (units)
   elements: int = 0                # local elements
   bytes: int = 0                   # local bytes
 
@@ -99,6 +115,7 @@ def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes):
       consumers[_node_of(text)].append((node.name, text[0] != "^"))
   instances = _gradient_instances(out, nodes, consumers, analysis, propagation, mesh,
                                   data_axes)
+  instances += _unit_instances(out, nodes, consumers, analysis, mesh, data_axes)
   if not instances:
     return []
   used_keys = {_int_const(nodes, n.input[3]) for n in nodes.values()
@@ -106,17 +123,21 @@ def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes):
   names = set(nodes)
   by_group = collections.defaultdict(list)
   for inst in instances:
-    by_group[(inst.axis, inst.group)].append(inst)
+    by_group[(inst.axis, inst.group, inst.kind)].append(inst)
   emitter = _Emitter(out, nodes, names, consumers)
   records = []
-  for group_index, (axis, group) in enumerate(sorted(by_group)):
-    for index, bucket in enumerate(pack(by_group[(axis, group)], bucket_bytes)):
+  groups = sorted({(axis, group) for axis, group, _ in by_group})
+  for axis, group, kind in sorted(by_group, key=lambda k: (k[2] != "all_reduce", k)):
+    group_index = groups.index((axis, group))
+    prefix = "gradient_buckets" if kind == "all_reduce" else f"{kind}_buckets"
+    for index, bucket in enumerate(pack(by_group[(axis, group, kind)], bucket_bytes)):
       key = _instance_key(bucket, used_keys)
-      base = f"gradient_buckets/{safe_axis(axis)}/group_{group_index}/bucket_{index}"
+      base = f"{prefix}/{safe_axis(axis)}/group_{group_index}/bucket_{index}"
       emitter.emit(bucket, key, base)
       records.append(BucketRecord(
-          BUCKET, axis, base, "", sum(i.global_elements for i in bucket),
-          tuple(i.tensor for i in bucket), group, sum(i.bytes for i in bucket)))
+          _BUCKET_KIND[kind], axis, base, "", sum(i.global_elements for i in bucket),
+          members=tuple(i.tensor for i in bucket), devices=group,
+          local_bytes=sum(i.bytes for i in bucket)))
   emitter.finish()
   return records
 
@@ -195,6 +216,63 @@ def _gradient_instances(out, nodes, consumers, analysis, propagation, mesh, data
   return [c for c in candidates
           if not any(_node_of(t) in after for n in c.nodes.values()
                      for t in nodes[n].input)]
+
+
+def _unit_instances(out, nodes, consumers, analysis, mesh, data_axes):
+  """[_Instance] of the reduce-scatters of gradients and the all-gathers of
+  updates over `data_axes` (CollectiveRecord.units), whose results feed
+  variable updates and whose inputs depend on no other of the same kind and
+  group (one micro-batch's reduce-scatters may depend on the previous one's:
+  they are other groups of logical devices)."""
+  groups = {a: {tuple(m) for m in mesh.groups(a)} for a in data_axes}
+  by_key = collections.defaultdict(list)
+  for record in out.collectives:
+    if record.kind not in ("reduce_scatter", "all_gather") or record.axis not in data_axes \
+        or not record.units:
+      continue
+    for d, (coll, result) in record.units.items():
+      node = nodes.get(coll)
+      if node is None or len(node.input) != 4 or result not in nodes:
+        continue
+      group_key, key = _int_const(nodes, node.input[2]), _int_const(nodes, node.input[3])
+      if group_key is not None and key is not None:
+        by_key[(record.kind, group_key, key)].append((d, coll, result, record))
+  position = _positions(analysis.graph)
+  candidates = []
+  for (kind, group_key, key), members in sorted(by_key.items(), key=lambda kv: kv[0]):
+    group = tuple(sorted(d for d, _, _, _ in members))
+    record = members[0][3]
+    axis = record.axis
+    if group not in groups[axis] or len(set(group)) != len(members) or \
+        any(m[3] is not record for m in members):
+      continue
+    first = nodes[members[0][1]]
+    source = parse_input(record.tensor)[0]
+    n = len(group)
+    shape = tuple(record.unit_shape)
+    if _int_const(nodes, first.input[1]) != n or source not in position or \
+        analysis.roles.get(source) not in (constants.BACKWARD, constants.UPDATE) or \
+        (kind == "reduce_scatter" and shape[0] % n) or \
+        not all(_feeds_update(result, nodes, consumers) for _, _, result, _ in members):
+      continue
+    dtype = first.attr["T"].type
+    attrs = _attrs(first)
+    if dtype in (types_pb2.DT_BOOL, types_pb2.DT_RESOURCE, types_pb2.DT_VARIANT) or \
+        any(_attrs(nodes[c]) != attrs for _, c, _, _ in members):
+      continue
+    candidates.append(_Instance(
+        axis, group, group_key, key, {d: c for d, c, _, _ in members}, source,
+        record.tensor, shape, dtype, attrs, position[source], record.num_elements,
+        kind, {d: r for d, _, r, _ in members}))
+  kept = []
+  by_group = collections.defaultdict(list)
+  for c in candidates:
+    by_group[(c.kind, c.axis, c.group)].append(c)
+  for members in by_group.values():
+    after = _descendants([n for c in members for n in c.nodes.values()], consumers)
+    kept += [c for c in members if not any(_node_of(t) in after for n in c.nodes.values()
+                                           for t in nodes[n].input)]
+  return kept
 
 
 def _attrs(node):
@@ -284,8 +362,9 @@ def _instance_key(bucket, used):
   """An instance key fixed by the bucket's group, members and local shapes
   (TF caches a collective's shape per key in a process: a different bucket
   must get a different key), clear of every other key of the graph."""
+  kind = () if bucket[0].kind == "all_reduce" else (bucket[0].kind,)
   text = repr((bucket[0].group_key, bucket[0].dtype,
-               [(i.tensor, i.local_shape) for i in bucket]))
+               [(i.tensor, i.local_shape) for i in bucket]) + kind)
   key = _KEY_BIT | (zlib.crc32(text.encode()) & (_KEY_BIT - 1))
   while key in used:
     key = _KEY_BIT | ((key + 1) & (_KEY_BIT - 1))
@@ -299,6 +378,7 @@ class _Emitter(object):
   def __init__(self, out, nodes, names, consumers):
     self.out, self.nodes, self.names, self.consumers = out, nodes, names, consumers
     self.new_records, self.dead_inputs, self.kept, self.rewritten = {}, set(), set(), set()
+    self.removed = set()   # nodes of collectives a bucket replaced
 
   def unique(self, base):
     return unique_name(self.names, base)
@@ -333,8 +413,135 @@ class _Emitter(object):
     return self.add(node, *record)
 
   def emit(self, bucket, key, base):
+    emit_on = {"all_reduce": self.emit_on, "reduce_scatter": self.emit_scatter_on,
+               "all_gather": self.emit_gather_on}[bucket[0].kind]
     for d in bucket[0].group:
-      self.emit_on(d, bucket, key, f"{base}/shard_{d}")
+      emit_on(d, bucket, key, f"{base}/shard_{d}")
+
+  def _collective(self, first, inputs, name):
+    """A copy of collective member `first` (its op and attrs) over `inputs`."""
+    node = node_def_pb2.NodeDef()
+    node.CopyFrom(first)
+    node.name = self.unique(name)
+    del node.input[:]
+    node.input.extend(inputs)
+    for attr in [a for a in node.attr if a.startswith("_tfsplit")]:
+      del node.attr[attr]
+    self.kept.update(_node_of(t) for t in first.input[1:3])
+    return node
+
+  def _become_piece(self, member, piece, shape, dtype, device, where, k):
+    """Member result node `member` becomes the Reshape of its bucket piece,
+    under its name and record: consumers and control edges stay valid."""
+    self.dead_inputs.update(_node_of(t) for t in member.input)
+    self.rewritten.add(member.name)
+    shape_const = self.const(f"{where}/shape_{k}", list(shape), device)
+    member.op = "Reshape"
+    for attr in [a for a in member.attr if not a.startswith("_tfsplit")]:
+      del member.attr[attr]
+    member.attr["T"].type = dtype
+    member.attr["Tshape"].type = types_pb2.DT_INT32
+    del member.input[:]
+    member.input.extend([piece, shape_const])
+
+  def _remove_unit(self, inst, d):
+    """The member's nodes from its collective up to (not including) its
+    result node: dropped (with the constants only they read)."""
+    name = inst.nodes[d]
+    result = inst.outputs[d]
+    while name != result:
+      node = self.nodes[name]
+      self.removed.add(name)
+      self.dead_inputs.update(_node_of(t) for t in node.input)
+      following = [c for c, data in self.consumers.get(name, ()) if data]
+      if len(following) != 1:
+        raise AssertionError(f"collective unit of '{name}' is not a chain")
+      name = following[0]
+
+  def emit_scatter_on(self, d, bucket, key, where):
+    """Device d's part of a bucket of reduce-scatters over n members: each
+    member [n * b_k, ...] cut to [n, b_k...] rows, concatenated along
+    dimension 1 (row i: every member's block i), scattered once, split back."""
+    dtype, int32 = bucket[0].dtype, types_pb2.DT_INT32
+    n = len(bucket[0].group)
+    colls = [self.nodes[i.nodes[d]] for i in bucket]
+    first, device = colls[0], colls[0].device
+    last = (bucket[-1].source, d, any(self.out.records.get(c.name, NodeRecord("", d)).shared
+                                      for c in colls))
+    rows = []
+    for k, (inst, coll) in enumerate(zip(bucket, colls)):
+      rows.append(self.op(
+          f"{where}/rows_{k}", "Reshape", device,
+          [coll.input[0], self.const(f"{where}/rows_{k}/shape", [n, inst.elements // n],
+                                     device)],
+          {"T": (dtype,), "Tshape": (int32,)}, (inst.source, d, last[2])))
+    concat = self.op(f"{where}/concat", "ConcatV2", device,
+                     rows + [self.const(f"{where}/concat/axis", 1, device)],
+                     {"T": (dtype,), "N": len(rows), "Tidx": (int32,)}, last)
+    total = sum(i.elements for i in bucket) // n
+    key_const = self.const(f"{where}/instance_key", key, device)
+    if first.op == "CollectiveAllToAllV2":
+      exchange = self._collective(first, [concat, first.input[1], first.input[2], key_const],
+                                  f"{where}/all_to_all")
+      self.add(exchange, *last)
+      summed = node_def_pb2.NodeDef(name=self.unique(f"{where}/sum"), op="Sum", device=device,
+                                    input=[exchange.name,
+                                           self.const(f"{where}/sum/axis", 0, device)])
+      summed.attr["T"].type = dtype
+      summed.attr["Tidx"].type = int32
+      summed.attr["keep_dims"].b = False
+      reduced = self.add(summed, *last)
+    else:  # CollectiveReduceScatterV2: [1, total]
+      scatter = self._collective(first, [concat, first.input[1], first.input[2], key_const],
+                                 f"{where}/reduce_scatter")
+      self.add(scatter, *last)
+      reduced = self.op(f"{where}/flat", "Reshape", device,
+                        [scatter.name, self.const(f"{where}/flat/shape", [total], device)],
+                        {"T": (dtype,), "Tshape": (int32,)}, last)
+    split = self.op(f"{where}/split", "SplitV", device,
+                    [reduced, self.const(f"{where}/split/sizes",
+                                         [i.elements // n for i in bucket], device),
+                     self.const(f"{where}/split/axis", 0, device)],
+                    {"T": (dtype,), "Tlen": (int32,), "num_split": len(bucket)}, last)
+    for k, inst in enumerate(bucket):
+      self._remove_unit(inst, d)
+      shape = [inst.local_shape[0] // n] + list(inst.local_shape[1:])
+      self._become_piece(self.nodes[inst.outputs[d]], f"{split}:{k}" if k else split, shape,
+                         dtype, device, where, k)
+
+  def emit_gather_on(self, d, bucket, key, where):
+    """Device d's part of a bucket of all-gathers: the members' blocks
+    flattened and concatenated, gathered once ([n * total]), cut to
+    [n, total] and split along dimension 1 into each member's [n, elements]."""
+    dtype, int32 = bucket[0].dtype, types_pb2.DT_INT32
+    n = len(bucket[0].group)
+    colls = [self.nodes[i.nodes[d]] for i in bucket]
+    first, device = colls[0], colls[0].device
+    flats = []
+    for k, (inst, coll) in enumerate(zip(bucket, colls)):
+      flats.append(self.op(
+          f"{where}/flat_{k}", "Reshape", device,
+          [coll.input[0], self.const(f"{where}/flat_{k}/shape", [inst.elements], device)],
+          {"T": (dtype,), "Tshape": (int32,)}, ()))
+    concat = self.op(f"{where}/concat", "ConcatV2", device,
+                     flats + [self.const(f"{where}/concat/axis", 0, device)],
+                     {"T": (dtype,), "N": len(flats), "Tidx": (int32,)}, ())
+    gather = self._collective(first, [concat, first.input[1], first.input[2],
+                                      self.const(f"{where}/instance_key", key, device)],
+                              f"{where}/all_gather")
+    self.add(gather)
+    total = sum(i.elements for i in bucket)
+    cut = self.op(f"{where}/blocks", "Reshape", device,
+                  [gather.name, self.const(f"{where}/blocks/shape", [n, total], device)],
+                  {"T": (dtype,), "Tshape": (int32,)}, ())
+    split = self.op(f"{where}/split", "SplitV", device,
+                    [cut, self.const(f"{where}/split/sizes", [i.elements for i in bucket],
+                                     device),
+                     self.const(f"{where}/split/axis", 1, device)],
+                    {"T": (dtype,), "Tlen": (int32,), "num_split": len(bucket)}, ())
+    for k, (inst, coll) in enumerate(zip(bucket, colls)):
+      shape = [inst.local_shape[0] * n] + list(inst.local_shape[1:])
+      self._become_piece(coll, f"{split}:{k}" if k else split, shape, dtype, device, where, k)
 
   def emit_on(self, d, bucket, key, where):
     """Device d's part of `bucket` (every member the same, in the same order)."""
@@ -381,9 +588,11 @@ class _Emitter(object):
       member.input.extend([f"{split}:{k}" if k else split, shape])
 
   def finish(self):
-    """Drops the members' now unused key constants; records the new nodes."""
+    """Drops the members' now unused key constants (and the collectives a
+    bucket replaced); records the new nodes."""
+    gone = self.rewritten | self.removed
     dead = {n for n in self.dead_inputs - self.kept if self.nodes[n].op == "Const" and
-            all(c in self.rewritten for c, _ in self.consumers.get(n, ()))}
+            all(c in gone for c, _ in self.consumers.get(n, ()))} | self.removed
     stamp_records(types.SimpleNamespace(node=[self.nodes[n] for n in self.new_records]),
                   self.new_records)
     self.out.records.update(self.new_records)

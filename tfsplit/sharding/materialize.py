@@ -48,7 +48,8 @@ class Materialized:
 
 class _Materializer(object):
 
-  def __init__(self, graph, shapes, mesh, propagation, variables, timeout, stage_of):
+  def __init__(self, graph, shapes, mesh, propagation, variables, timeout, stage_of,
+               scatter_microbatches=False):
     self.graph, self.shapes, self.mesh, self.prop = graph, shapes, mesh, propagation
     self.variables = {v.node: v for v in variables}
     self.place = Placement(mesh, stage_of)
@@ -58,7 +59,7 @@ class _Materializer(object):
     plan = repr((sorted(mesh.axes.items()), mesh.devices,
                  sorted((k, str(v)) for k, v in propagation.variable_specs.items())))
     seed = zlib.crc32(graph.graph_def.SerializeToString(deterministic=True) + plan.encode())
-    self.r = Resharder(self.b, mesh, timeout, seed)
+    self.r = Resharder(self.b, mesh, timeout, seed, scatter_microbatches)
     self.alias = {}          # (node, device id) -> the local name it shares
     self.sources = {}        # (src, port) -> source()'s answer
     self.reshards = {}       # (src, port, want, raw) -> [local tensor per device]
@@ -255,7 +256,11 @@ class _Materializer(object):
 
 
 def materialize(graph, shapes, mesh, propagation, variables, timeout_seconds=None,
-                stage_of=None):
-  """Materialized per-device graph of `graph` under `propagation` (see module doc)."""
+                stage_of=None, scatter_microbatches=False):
+  """Materialized per-device graph of `graph` under `propagation` (see module doc).
+
+  scatter_microbatches: a partial sum over micro-batches and a real axis
+  wanted split over that axis is reduce-scattered per micro-batch, then
+  summed as blocks (ZeRO stage 2; see sharding/reshard.py)."""
   return _Materializer(graph, shapes, mesh, propagation, variables, timeout_seconds,
-                       stage_of).run()
+                       stage_of, scatter_microbatches).run()

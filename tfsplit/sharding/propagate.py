@@ -21,7 +21,7 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.fold import const_value
 from tfsplit.graph.ir import parse_input
 from tfsplit.rules.base import Decision, OpContext, fallback
-from tfsplit.sharding.spec import Sharding
+from tfsplit.sharding.spec import Sharding, constraint_of
 
 _MAX_CONST_ELEMENTS = 1024
 # Rounds of two-way propagation before shardings count as unsettled.
@@ -132,10 +132,14 @@ class _StaticInputs(object):
 
 
 def _partials_needed_whole(static, prop):
-  """(node, port) of partial tensors some consumer requires non-partial."""
+  """(node, port) of partial tensors some consumer requires non-partial (a
+  sharding constraint reduces what it reads straight into its own sharding,
+  a reduce-scatter: it needs nothing reduced before)."""
   needed = set()
   outputs = prop.outputs
   for name, decision in prop.decisions.items():
+    if constraint_of(static.graph.node(name)) is not None:
+      continue
     for (src, port), want in zip(static.graph.data_inputs(name), decision.inputs):
       src_specs = outputs[src]
       have = src_specs[port] if port < len(src_specs) else None

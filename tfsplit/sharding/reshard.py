@@ -5,9 +5,15 @@ collectives (GSPMD's `Reshard`). The one place that emits communication.
 
 `current` holds the tensor's local name on every logical device. In order:
 1. partial sums (`have.partial - want.partial`) are reduced: over micro-batches
-   (a local axis) by a running sum on the device; over a real axis by
-   CollectiveReduceScatterV2 straight into the split `want` asks for (GPU,
-   NCCL: TF has no CPU kernel for it) or CollectiveReduceV2 (all-reduce);
+   (a local axis) by a running sum on the device; over a real axis by a
+   reduce-scatter straight into the split `want` asks for, else
+   CollectiveReduceV2 (all-reduce). A reduce-scatter is
+   CollectiveReduceScatterV2 on GPUs (NCCL; TF has no CPU kernel for it) and
+   elsewhere CollectiveAllToAllV2 plus a local sum of the n pieces received:
+   the same (n-1)/n of the tensor sent per device as a ring reduce-scatter,
+   half a ring all-reduce's. The micro-batch sum comes first (one collective
+   per step), or, with `scatter_microbatches` (ZeRO stage 2), each
+   micro-batch is reduce-scattered and the running sum holds only the shard;
 2. a dimension split over an axis that `want` splits another dimension over
    is exchanged with CollectiveAllToAllV2 (each device sends every other
    device the block it will own);
@@ -22,6 +28,7 @@ the output is deterministic and one process can run several split graphs.
 """
 import dataclasses
 import zlib
+from typing import Dict, Optional, Tuple
 
 import numpy as np
 from absl import logging
@@ -42,20 +49,33 @@ class CollectiveRecord:
   tensor: str        # the original tensor it moves
   consumer: str      # the op that required it first
   num_elements: int  # global elements of the tensor
+  # Reduce-scatters and all-gathers, per member device id: (the collective
+  # node, the node giving its result along dimension 0), and the collective's
+  # local input shape (the split dimension moved to the front): what gradient
+  # buckets repack (sharding/buckets.py).
+  units: Optional[Dict[int, Tuple[str, str]]] = None
+  unit_shape: Optional[Tuple[int, ...]] = None
 
 
 class Resharder(object):
   """Emits the transitions between shardings into a DeviceGraph."""
 
-  def __init__(self, builder, mesh, timeout_seconds, instance_seed):
+  def __init__(self, builder, mesh, timeout_seconds, instance_seed,
+               scatter_microbatches=False):
     self.b, self.mesh, self.timeout = builder, mesh, timeout_seconds
+    self.scatter_microbatches = scatter_microbatches
+    if scatter_microbatches:
+      # Other collectives than for the same plan without it: other keys (TF
+      # keeps a key's kind and shape for the whole process).
+      instance_seed = zlib.crc32(b"scatter_microbatches", instance_seed)
     self.instance_key = (instance_seed & 0x0FFFFFFF) << 2
     # Local axes (micro-batches): all members of a group on one device.
     self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a) and mesh.axes[a] > 1]
     self.collectives = []
     self.local_sums = []   # per running sum to order micro-batches by: {device id: tensor}
-    # CollectiveReduceScatterV2 has an NCCL kernel only.
-    self.reduce_scatter = all("GPU" in d.upper() for d in mesh.devices)
+    # CollectiveReduceScatterV2 has an NCCL kernel only; elsewhere a
+    # reduce-scatter is an all-to-all and a local sum.
+    self.nccl = all("GPU" in d.upper() for d in mesh.devices)
 
   # --- micro-batch sharing ------------------------------------------------------
   def rep(self, device_id):
@@ -99,8 +119,11 @@ class Resharder(object):
       raise PlanError(f"node '{consumer}': cannot make a partial sum of a whole tensor")
     spec, what = have, (src, port, consumer)
     for axis in sorted(have.partial - want.partial):
-      # Local parts (micro-batches: a plain sum) before the real collective.
-      for part in sorted(self.mesh.axis_parts(axis), key=lambda a: a not in self.local_axes):
+      # Local parts (micro-batches: a plain sum) before the real collective,
+      # unless each micro-batch is reduce-scattered (then summed as shards).
+      for part in sorted(self.mesh.axis_parts(axis), key=lambda a: (
+          0 if self._scatters_first(spec, want, a, info) else
+          1 if a in self.local_axes else 2)):
         if self.mesh.axes[part] == 1:
           continue  # a sum over one member is the member
         if part in self.local_axes:
@@ -132,7 +155,8 @@ class Resharder(object):
         if part in self.local_axes:
           current = self._local_concat(current, ids, info, dim, part, what)
         else:
-          current = self._all_gather(current, ids, info, dim, part, what)
+          current = self._all_gather(current, ids, info, dim, part, what,
+                                     spec if part == axis else None)
       dims = list(spec.dims)
       dims[dim] = None
       spec = Sharding(tuple(dims), spec.partial)
@@ -140,9 +164,14 @@ class Resharder(object):
       current = self.slice(current, ids, info, spec, want, what)
     return current
 
+  def _scatters_first(self, spec, want, part, info):
+    """True for a real axis reduce-scattered before the micro-batch sum."""
+    return self.scatter_microbatches and part not in self.local_axes and \
+        self._scatter_dim(spec, want, part, info) is not None
+
   def _scatter_dim(self, spec, want, axis, info):
     """The dimension a reduce-scatter over `axis` can split straight away."""
-    if not self.reduce_scatter:
+    if axis in self.local_axes:
       return None
     for dim, w in enumerate(want.dims):
       if w == axis and spec.dims[dim] is None and axis not in spec.dims:
@@ -177,10 +206,13 @@ class Resharder(object):
     return keys[members]
 
   def _collective(self, op, kind, current, ids, info, axis, what, pre=None, post=None,
-                  record=True):
-    """One `op` member per device (pre/post: local reshapes around it)."""
+                  record=True, finish=None, unit_shape=None):
+    """One `op` member per device (pre/post: local reshapes around it;
+    finish: local ops completing the collective's result, before post).
+    unit_shape: the collective's local input shape, recorded with its
+    members (CollectiveRecord.units) so buckets can repack it."""
     src, port, consumer = what
-    keys, out = {}, [None] * self.mesh.size
+    keys, out, units = {}, [None] * self.mesh.size, {}
     for d in ids:
       shared = self._shared(current, out, d)
       if shared is not None:
@@ -202,11 +234,17 @@ class Resharder(object):
       y = node.name
       if carried != info.dtype:
         y = self.b.cast(y, carried, info.dtype, base + "/to_bool", device)
+      y = finish(y, base, device, d) if finish else y
+      units[d] = (node.name, y)
+      for made in dict.fromkeys((node.name, y)):  # serving every micro-batch: no block
+        self._note_shared(current, d, made)
       y = post(y, base, device) if post else y
       self._note_shared(current, d, y)
       out[d] = y
-    self.collectives.append(CollectiveRecord(kind, axis, tensor(src, port), consumer,
-                                             info.num_elements or 0))
+    bucketable = unit_shape is not None and info.dtype != types_pb2.DT_BOOL and units
+    self.collectives.append(CollectiveRecord(
+        kind, axis, tensor(src, port), consumer, info.num_elements or 0,
+        units if bucketable else None, tuple(unit_shape) if bucketable else None))
     return out
 
   def _all_reduce(self, current, ids, info, axis, what):
@@ -222,20 +260,60 @@ class Resharder(object):
     return (lambda x, base, dev: self.b.transpose(x, perm, base + "/to_front", dev, dtype),
             lambda y, base, dev: self.b.transpose(y, inverse, base + "/from_front", dev, dtype))
 
-  def _all_gather(self, current, ids, info, dim, axis, what):
+  def _front_shape(self, spec, dim, info):
+    """Static local shape of a tensor in `spec`, dimension `dim` moved to
+    the front, or None."""
+    if info.shape is None or any(s is None for s in info.shape):
+      return None
+    local = list(spec.local_shape(info.shape, self.mesh))
+    return [local[dim]] + local[:dim] + local[dim + 1:]
+
+  def _all_gather(self, current, ids, info, dim, axis, what, spec=None):
     """Gathers dimension `dim` (CollectiveGatherV2 concatenates along dim 0)."""
     logging.info("all-gather of %s:%d dim %d over %s for '%s'", what[0], what[1], dim, axis,
                  what[2])
     pre, post = self._to_front(dim, len(info.shape), info.dtype)
+    shape = self._front_shape(spec, dim, info) if spec is not None else None
     return self._collective("CollectiveGatherV2", "all_gather", current, ids, info, axis,
-                            what, pre, post, record=False)
+                            what, pre, post, record=False, unit_shape=shape)
 
   def _reduce_scatter(self, current, ids, info, spec, dim, axis, what):
-    """Sums over `axis` and keeps this device's block of dimension `dim`
-    (CollectiveReduceScatterV2 scatters along dim 0)."""
+    """Sums over `axis` and keeps this device's block of dimension `dim`.
+
+    CollectiveReduceScatterV2 (GPUs) scatters along dim 0. Elsewhere
+    CollectiveAllToAllV2 (on CPUs: of an [n, elements/n] tensor) sends block
+    i to member i, and the n blocks received (one per member, in member
+    order) are summed locally.
+    """
     pre, post = self._to_front(dim, len(info.shape), info.dtype)
-    return self._collective("CollectiveReduceScatterV2", "reduce_scatter", current, ids,
-                            info, axis, what, pre, post)
+    shape = self._front_shape(spec, dim, info)
+    if self.nccl:
+      return self._collective("CollectiveReduceScatterV2", "reduce_scatter", current, ids,
+                              info, axis, what, pre, post, unit_shape=shape)
+    n = self.mesh.axes[axis]
+    local = list(spec.local_shape(info.shape, self.mesh))
+    pieces = [n, local[dim] // n] + local[:dim] + local[dim + 1:]
+    rows = [n, int(np.prod(local, dtype=np.int64)) // n]  # all-to-all wants [n, ...]
+
+    def cut(x, base, device):
+      x = pre(x, base, device) if pre else x
+      return self.b.reshape(x, rows, base + "/rows", device, info.dtype)
+
+    def finish(y, base, device, d):
+      cut = self.b.reshape(y, pieces, base + "/pieces", device, info.dtype)
+      return self.b.add(self.sum_node(self.b.unique(base + "/sum"), cut, 0, info.dtype,
+                                      device), what[0], d).name
+    return self._collective("CollectiveAllToAllV2", "reduce_scatter", current, ids, info,
+                            axis, what, cut, post, finish=finish, unit_shape=shape)
+
+  def sum_node(self, name, x, axis, dtype, device):
+    """A Sum of `x` over dimension `axis` (a new int32 Const), keep_dims false."""
+    node = node_def_pb2.NodeDef(name=name, op="Sum", device=device,
+                                input=[x, self.b.int_const(name + "/axis", axis, device)])
+    node.attr["T"].type = dtype
+    node.attr["Tidx"].type = types_pb2.DT_INT32
+    node.attr["keep_dims"].b = False
+    return node
 
   def _all_to_all(self, current, ids, info, spec, dim, target, axis, what):
     """Moves the split of `dim` (over `axis`) to `target`: each device cuts

@@ -5,11 +5,21 @@ dimension i into equal contiguous blocks (None: replicated along it);
 `partial` is the set of mesh axes over which the local values are partial
 sums (the result of a contraction over a split dimension): the true tensor is
 the sum over that axis of the local tensors.
+
+A sharding constraint (GSPMD's `with_sharding_constraint`) is an Identity
+carrying `CONSTRAINT_ATTR`: its output has exactly that sharding, so the
+tensor is resharded into it there, and its consumers see it so (the split
+of optimizer state uses one to reduce-scatter a gradient straight into the
+shards of its optimizer slots: sharding/zero.py).
 """
 import dataclasses
 from typing import FrozenSet, Optional, Tuple
 
 from tfsplit.errors import PlanError
+
+# A private attr (TF ignores it when running the graph): one string per
+# tensor dimension, the mesh axis splitting it or "" (replicated).
+CONSTRAINT_ATTR = "_tfsplit_sharding"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +95,19 @@ class Sharding:
       else:
         out.append(mesh.coord_of(device_id, axis) * (shape[i] // mesh.size_of(axis)))
     return tuple(out)
+
+
+def constraint_node(name, source, dtype, dims, device=""):
+  """An Identity of `source` whose output must have sharding `dims`."""
+  from tensorflow.core.framework import node_def_pb2  # pylint: disable=import-outside-toplevel
+  node = node_def_pb2.NodeDef(name=name, op="Identity", input=[source], device=device)
+  node.attr["T"].type = dtype
+  node.attr[CONSTRAINT_ATTR].list.s.extend((a or "").encode() for a in dims)
+  return node
+
+
+def constraint_of(node):
+  """The Sharding a constraint node asks for, or None for any other node."""
+  if node.op != "Identity" or CONSTRAINT_ATTR not in node.attr:
+    return None
+  return Sharding(tuple(s.decode() or None for s in node.attr[CONSTRAINT_ATTR].list.s))
