@@ -1,14 +1,23 @@
 """Benchmark: activation memory of in-graph micro-batching (gradient accumulation).
 
 For each model (default: the whole real-structure corpus and the raw GPT),
-in one process, splits the example's training step with `tfsplit.split(...,
-mesh="dp=2", microbatches=m)` for each m (default 1, 4) and measures the allocator
-peak of one step: tf.config.experimental.reset_memory_stats, the memory in
-use just before the step (`current`: variables, inputs; the baseline), the
-step, then `peak`. Activation memory = peak - baseline; the median over
---steps steps after a warm-up step is printed as a ratio to m = 1, beside 1/m
-(the target: one micro-batch's activations alive at a time). The original,
+in a fresh Python process of its own, splits the example's training step with
+`tfsplit.split(..., mesh="dp=2", microbatches=m)` for each m (default 1, 4) and
+measures the allocator peak of one step: tf.config.experimental.reset_memory_stats,
+the memory in use just before the step (`current`: variables, inputs; the
+baseline), the step, then `peak`. Activation memory = peak - baseline; the
+median over --steps steps after a warm-up step is printed as a ratio to m = 1,
+beside 1/m (the target: one micro-batch's activations alive at a time). The original,
 unsplit tf.function training step is measured first as a sanity baseline.
+
+One process per model: all CPU devices of a process share one BFC allocator,
+and the chunks and fragmentation that earlier models leave in it move a later
+model's peak (vit_tfkeras's m=4 ratio read 0.21 to 0.50 depending on the
+models measured before it in the same process). The script runs itself with
+--one=MODEL for each model, bounded by --timeout, echoes that process's output
+and reads its ratios back from one result line; a model whose process fails
+or times out gets one FAILED line among the summary lines, the others still
+run, and the exit status is 1.
 
 Memory statistics on CPU need TF_CPU_ALLOCATOR_USE_BFC=true before TensorFlow
 is imported (set below). TensorFlow runs with one inter-op thread: ops then
@@ -26,10 +35,12 @@ most 0.4).
 
     python tools/bench_microbatch.py [--models causallm_keras3,gpt_raw] [--size small]
         [--batch 128] [--mesh dp=2] [--microbatches 1,4] [--steps 7] [--explain]
+        [--timeout 900]
 """
 import gc
 import os
 import re
+import sys
 import tempfile
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
@@ -38,7 +49,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-from benchlib import allocator_events, define_example_flags, step_memory  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import (allocator_events, define_example_flags, print_result,  # pylint: disable=g-import-not-at-top,wrong-import-position
+                      run_script, step_memory)
 
 FLAGS = flags.FLAGS
 define_example_flags("small")
@@ -55,6 +67,9 @@ flags.DEFINE_integer("inter_op_threads", 1, "TensorFlow inter-op threads.", lowe
 flags.DEFINE_boolean("explain", False,
                      "Profile one step per m and print the tensors alive at its peak.")
 flags.DEFINE_integer("explain_top", 12, "Live tensors to print per m with --explain.")
+flags.DEFINE_float("timeout", 900, "Seconds each model's process may run.", lower_bound=1)
+flags.DEFINE_string("one", None, "Internal: measure this model here and print one "
+                    "result line.")
 
 _MIB = 2.0**20
 _SHARD_RE = re.compile(r"/shard_(\d+)$")
@@ -187,8 +202,8 @@ def _measure_model(name, ms, device):
           if label.startswith("m=")}
 
 
-def main(argv):
-  del argv
+def _measure_here(name):
+  """Measures one model in this process (a fresh one); returns {m: ratio}."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   # Before any op runs (the thread pools are created with the context).
   tf.config.threading.set_inter_op_parallelism_threads(FLAGS.inter_op_threads)
@@ -200,19 +215,38 @@ def main(argv):
     tf.config.set_logical_device_configuration(
         cpu, [tf.config.LogicalDeviceConfiguration()] * mesh_size)
   ms = [int(m) for m in FLAGS.microbatches]
-  device = _device()
+  return _measure_model(name, ms, _device())
+
+
+def main(argv):
+  del argv
+  if FLAGS.one:
+    ratios = _measure_here(FLAGS.one)
+    print_result({str(m): ratio for m, ratio in ratios.items()})
+    return 0
   models_to_run = FLAGS.models if FLAGS.models else [FLAGS.model]
-  ratios = {name: _measure_model(name, ms, device) for name in models_to_run}
+  results = {}  # name: {m: ratio} or the reason its process failed
+  for name in models_to_run:
+    try:
+      by_m = run_script(__file__, sys.argv[1:] + [f"--one={name}"], FLAGS.timeout)
+      results[name] = {int(m): ratio for m, ratio in by_m.items()}
+    except RuntimeError as e:
+      results[name] = str(e)
   print("act = peak - base (bytes in use just before the step: variables of the "
         "model, optimizer and live split step, and inputs); ratio = act / act(m=1); "
         "waits = micro-batches ordered after the previous one, out of those that "
         "should be; loss = first loss of the step (the split steps start from the "
         "same values)")
-  for name, by_m in ratios.items():
+  for name, by_m in results.items():
+    if isinstance(by_m, str):
+      print(f"[{name} {FLAGS.size} b={FLAGS.batch} {FLAGS.mesh}] FAILED: {by_m} "
+            f"(its output is above)")
+      continue
     for m, ratio in by_m.items():
       if m > 1:
         print(f"[{name} {FLAGS.size} b={FLAGS.batch} {FLAGS.mesh} m={m}] activation "
               f"memory / m=1: {ratio:.3f} (target 1/m = {1.0 / m:.3f}, at most 0.4)")
+  return 1 if any(isinstance(r, str) for r in results.values()) else 0
 
 
 if __name__ == "__main__":

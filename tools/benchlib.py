@@ -4,8 +4,11 @@ Importing it puts the repository root (tfsplit, uninstalled) and examples/
 (the example model zoo: `import models`) on sys.path, so every tool imports
 benchlib before tfsplit or models.
 """
+import json
 import os
+import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -19,6 +22,56 @@ def define_example_flags(size, what="examples/models name"):
   from absl import flags  # pylint: disable=import-outside-toplevel
   flags.DEFINE_string("model", "gpt_raw", f"Example model ({what}).")
   flags.DEFINE_string("size", size, "Example size: tiny, small or large.")
+
+
+RESULT_MARK = "@bench-result "  # prefix of the line print_result writes
+
+
+def print_result(result):
+  """Prints `result` (JSON-serializable) as the one machine-readable line that
+  run_script reads back from the process running this."""
+  print(RESULT_MARK + json.dumps(result), flush=True)
+
+
+def run_script(script, args, timeout):
+  """Runs `python script *args` in a fresh process (its own TensorFlow runtime
+  and allocators) and returns what it passed to print_result. Its other stdout
+  lines are echoed as they come; its stderr goes straight to ours. Raises
+  RuntimeError when it runs past `timeout` seconds (it is killed), exits
+  non-zero or prints no result."""
+  env = dict(os.environ, PYTHONUNBUFFERED="1")  # lines as they are printed
+  proc = subprocess.Popen([sys.executable, os.path.abspath(script), *args],
+                          stdout=subprocess.PIPE, text=True, env=env)
+  results = []
+
+  def pump():
+    for line in proc.stdout:
+      if line.startswith(RESULT_MARK):
+        results.append(line[len(RESULT_MARK):])
+      else:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+
+  reader = threading.Thread(target=pump, daemon=True)
+  reader.start()
+  try:
+    code = proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    code = None
+  finally:
+    if proc.poll() is None:  # timed out, or interrupted here
+      proc.kill()
+      proc.wait()
+    reader.join(timeout=10)
+  if code is None:
+    raise RuntimeError(f"timed out after {timeout:g} s")
+  if code < 0:
+    raise RuntimeError(f"killed by signal {-code}")
+  if code:
+    raise RuntimeError(f"exit status {code}")
+  if not results:
+    raise RuntimeError("exited without a result line")
+  return json.loads(results[-1])
 
 
 def best_of(fn, repeats):
