@@ -57,6 +57,13 @@ def define_flags(fv):
                        "the optimizer slots per replica (gradients reduce-scattered, "
                        "updates all-gathered), 2 also each micro-batch's gradient sum; "
                        "0 off. Needs a dp axis of 2 or more.", flag_values=fv)
+  flags.DEFINE_enum("offload", "none", ["none", "optimizer"], "CPU offload: optimizer "
+                    "keeps the optimizer slots and their update ops on each device's "
+                    "host CPU (CPU:0 of its task), the weights on the device.",
+                    flag_values=fv)
+  flags.DEFINE_string("offload-device", None, "With --offload: one host device for every "
+                      "mesh device, e.g. /job:localhost/replica:0/task:0/device:CPU:4 "
+                      "(needed when the mesh is on this machine's CPUs).", flag_values=fv)
   flags.DEFINE_float("collective-timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
   flags.DEFINE_string("cluster", None, "Place the mesh on a cluster's worker tasks: "
@@ -76,7 +83,8 @@ def run(fv, args):
   lines = rewrite.rewrite_file(args[0], **common.values(
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",
-      "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task"),
+      "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task",
+      "offload", "offload-device"),
       across_tasks=tuple(fv["across-tasks"].value))
   sys.stdout.write("\n".join(lines) + "\n")
   return 0

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.pipeline.schedules import Interleaved
 
@@ -48,6 +49,10 @@ class SplitConfig:
     off; 1 each replica keeps 1/dp of the optimizer slots (gradients
     reduce-scattered into them, updates all-gathered); 2 also keeps each
     micro-batch's gradient sum as its block only.
+  offload: None or 'optimizer': the optimizer slots and the update ops that
+    compute only from them and the gradients live on each device's host CPU
+    (memory/offload.py); offload_device names one host for every device
+    instead (default: CPU:0 of the device's own task).
   """
   mesh: object
   strategy: Optional[str] = "megatron"
@@ -62,6 +67,8 @@ class SplitConfig:
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   recompute: object = None
   zero: int = 0
+  offload: Optional[str] = None
+  offload_device: Optional[str] = None
 
   def __post_init__(self):
     recompute_lib.parse(self.recompute)
@@ -103,6 +110,14 @@ class SplitConfig:
       raise PlanError(f"zero={z} shards optimizer state over the data axis, but mesh "
                       f"{self.mesh} has no '{constants.DATA_AXIS}' axis of 2 or more; add "
                       f"one (mesh 'dp=2,...', --mesh dp=2,...) or use zero=0")
+    if self.offload not in (None,) + offload_lib.MODES:
+      raise PlanError(f"unknown offload '{self.offload}'; use offload='optimizer' "
+                      "(--offload optimizer) or leave it unset")
+    if self.offload_device and not self.offload:
+      raise PlanError(f"offload_device '{self.offload_device}' is set but offload is not; "
+                      "add offload='optimizer' (--offload optimizer) or drop the device")
+    if self.offload:
+      offload_lib.check_hosts(self.mesh.devices, self.offload_device)
 
   @property
   def recompute_mode(self):

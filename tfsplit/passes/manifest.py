@@ -8,11 +8,14 @@
                                           # the layers of each chunk (chunk c on stage c % S)
      "source": "/abs/path/in.pb" | null,
      "zero": 0 | 1 | 2,                   # optimizer-state sharding stage over dp
+     "offload": null | "optimizer",       # CPU offload (memory/offload.py)
      "variables": {name: {"dtype", "shape", "sharding", "shards": [
          {"name", "device", "device_id", "offsets", "shape"}],
          # with zero: an optimizer slot names its weight, and one kept
          # whole over dp says why (sharding/zero.py)
          "optimizer_slot_of": weight, "zero_kept": why}},
+         # with offload: a slot's shard lives on its device's host
+         # ("device") and names the mesh device it serves ("offloaded_from")
      "outputs": {output: [[device, local tensor], ...]}}   # every whole copy
 
 Each shard says which block of its variable it holds (offsets, shape) on
@@ -43,6 +46,7 @@ def build(result, source=None):
           "stages": result.partition,
           "virtual_stages": int(config.virtual_stages),
           "zero": int(getattr(config, "zero", 0)),
+          "offload": getattr(config, "offload", None),
           "source": os.path.abspath(source) if source else None,
           "variables": result.manifest, "outputs": result.output_copies}
 

@@ -18,6 +18,8 @@ class SplitResult:
   partition: Optional[List[List[str]]] = None   # pipeline: layer names per model chunk
   stage_of: Optional[Dict[str, int]] = None      # pipeline: original node -> model chunk
   schedule_edges: int = 0                        # control edges a schedule added
+  offload: object = None                         # memory.offload.OffloadPlan, or None
+  offloaded_nodes: int = 0                       # split-graph nodes moved to a host
 
   def count(self, kind, axis=None):
     return sum(1 for c in self.collectives

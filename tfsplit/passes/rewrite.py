@@ -63,7 +63,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                  job="localhost", strategy="megatron", annotate=(), microbatches=1,
                  schedule="1f1b", collective_timeout=600.0, signature=None,
                  variables=None, virtual_stages=1, bucket_mb=25.0, zero=0,
-                 recompute="none", cluster=None, across_tasks=None, devices_per_task=None):
+                 recompute="none", cluster=None, across_tasks=None, devices_per_task=None,
+                 offload="none", offload_device=None):
   """Splits the graph at `source` and writes it to `output` with its manifest.
 
   cluster / across_tasks / devices_per_task: place the mesh on a cluster's
@@ -72,6 +73,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   bucket_mb: gradient bucket size in MiB (0: one all-reduce per gradient).
   recompute: none, blocks, selective, auto or 'scope1,scope2' (memory/recompute.py).
   zero: optimizer-state sharding stage over dp (0, 1 or 2).
+  offload / offload_device: 'optimizer' keeps optimizer slots and their
+  update ops on each device's host CPU, or on `offload_device` (memory/offload.py).
   Returns the summary lines of what was done.
   """
   from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
@@ -89,7 +92,9 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                        schedule=schedule, layer_ranges=layer_ranges,
                        virtual_stages=virtual_stages,
                        bucket_bytes=int(round(bucket_mb * 2**20)), zero=zero,
-                       recompute=recompute)
+                       recompute=recompute,
+                       offload=None if offload in (None, "none") else offload,
+                       offload_device=offload_device)
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)
@@ -130,6 +135,9 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
     from tfsplit.memory import recompute as recompute_lib  # pylint: disable=import-outside-toplevel
     lines.append("  " + recompute_lib.graph_summary(result.graph_def,
                                                      result.config.recompute_mode))
+  if result.config.offload:
+    from tfsplit.memory import offload as offload_lib  # pylint: disable=import-outside-toplevel
+    lines.append(offload_lib.summary(result.manifest, result.offloaded_nodes))
   lines += [f"  fallback: {msg}" for msg in result.fallbacks]
   lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
   return lines

@@ -26,6 +26,8 @@ another module's private fields:
                          interleaved)
 8. bucket_gradients     gradient all-reduces over the data axis packed into
                          buckets, one collective each (sharding/buckets.py)
+   offload_optimizer    offload= only: optimizer slots and their update ops
+                         on each device's host CPU (memory/offload.py)
 9. check_acyclic        the result can run
 """
 import dataclasses
@@ -42,6 +44,7 @@ from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.ir import without_gc
+from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
 from tfsplit.passes.config import DEFAULT_BUCKET_BYTES, SplitConfig
@@ -76,6 +79,8 @@ class SplitState:
   # original}, segments with their gates), or None
   recomputed: object = None
   zero: object = None   # shard_optimizer_state's sharding.zero.ZeroPlan, or None
+  offload: object = None  # offload_optimizer's memory.offload.OffloadPlan, or None
+  offloaded_nodes: int = 0
 
 
 # --- passes ----------------------------------------------------------------------
@@ -235,6 +240,22 @@ def bucket_gradients(state):
       out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes))
 
 
+def offload_optimizer(state):
+  """CPU offload (config.offload): optimizer slots, their reads and writes
+  and the update ops computing only from slots and gradients moved, by
+  their records, to each device's host CPU; the manifest says where each
+  slot's shards live (memory/offload.py)."""
+  if not state.config.offload:
+    return
+  analysis = state.analysis
+  state.offload = offload_lib.plan_offload(analysis, state.mesh,
+                                           state.config.offload_device)
+  state.offloaded_nodes = offload_lib.apply_offload(state.materialized, state.offload,
+                                                    analysis.variables)
+  logging.info("%s", offload_lib.summary(state.materialized.manifest,
+                                         state.offloaded_nodes).strip())
+
+
 def check_acyclic(state):
   try:
     Graph(state.materialized.graph_def).topological_order()
@@ -245,7 +266,8 @@ def check_acyclic(state):
 
 PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
           shard_optimizer_state, assign_stages, materialize_devices,
-          check_microbatch_independence, order_work, bucket_gradients, check_acyclic)
+          check_microbatch_independence, order_work, bucket_gradients, offload_optimizer,
+          check_acyclic)
 
 
 @without_gc
@@ -265,17 +287,20 @@ def run_passes(graph_def, config):
                sum(c.kind == "all_gather" for c in out.collectives), len(prop.fallbacks))
   return SplitResult(out.graph_def, out.manifest, out.collectives, prop.fallbacks, var_specs,
                      out.output_copies, out.records, config, state.mesh, state.partition,
-                     state.stage_of, state.schedule_edges)
+                     state.stage_of, state.schedule_edges, state.offload,
+                     state.offloaded_nodes)
 
 
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
                 layer_ranges=None, balance="cost", virtual_stages=1,
-                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0):
+                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0,
+                offload=None, offload_device=None):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
                        layer_ranges, timeout_seconds, axis, balance, virtual_stages,
-                       bucket_bytes=bucket_bytes, recompute=recompute, zero=zero)
+                       bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
+                       offload=offload, offload_device=offload_device)
   return run_passes(graph_def, config)
 
 

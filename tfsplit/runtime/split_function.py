@@ -72,7 +72,8 @@ class SplitFunction(object):
   def __init__(self, fn, mesh, strategy="megatron", input_signature=None,
                annotations=None, variable_names=None, timeout_seconds=None,
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
-               bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None):
+               bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
+               offload=None, offload_device=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
@@ -89,7 +90,8 @@ class SplitFunction(object):
                               annotations=annotations, timeout_seconds=timeout_seconds,
                               microbatches=microbatches, schedule=schedule,
                               layer_ranges=layer_ranges, virtual_stages=virtual_stages,
-                              bucket_bytes=bucket_bytes, recompute=recompute, zero=zero)
+                              bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
+                              offload=offload, offload_device=offload_device)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -155,7 +157,7 @@ class SplitFunction(object):
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
           variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
           layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
-          recompute=None, zero=0, cluster=None):
+          recompute=None, zero=0, cluster=None, offload=None, offload_device=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -179,7 +181,12 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
     tasks, the other axes within one, driven by one Session client; calls
     return numpy values, and timeout_seconds (default 600) bounds every
     collective and step (runtime/cluster.py).
+  offload: 'optimizer' keeps the optimizer slots and their update ops on
+    each device's host CPU (CPU:0 of its task; offload_device names another),
+    the weights on the device (memory/offload.py); a host that is itself a
+    mesh device is refused.
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
                        timeout_seconds, microbatches, schedule, layer_ranges,
-                       virtual_stages, bucket_bytes, recompute, zero, cluster)
+                       virtual_stages, bucket_bytes, recompute, zero, cluster, offload,
+                       offload_device)

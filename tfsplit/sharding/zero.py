@@ -43,7 +43,7 @@ from tfsplit.sharding.spec import constraint_node
 # Ops a split slot may meet (each has a rule for a split variable).
 _SLOT_OPS = frozenset(["ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
                        "AssignSubVariableOp"])
-_HANDLE_PASSTHROUGH = frozenset(["Identity"])
+HANDLE_PASSTHROUGH = frozenset(["Identity"])
 # Bound on the walk from a slot's update up to its gradient.
 _MAX_SEARCH = 512
 SLOT_OF_KEY = "optimizer_slot_of"   # manifest: slot variable -> its weight
@@ -72,7 +72,7 @@ def optimizer_slots(analysis):
     if roles.get(name) != constants.UPDATE or not constants.is_write_op(node.op) or \
         not node.input:
       continue
-    weight = _handle(graph, node.input[0], var_nodes)
+    weight = handle_of(graph, node.input[0], var_nodes)
     if weight not in params:
       continue
     for slot in _variables_read_by(graph, name, roles, var_nodes) - {weight}:
@@ -213,12 +213,12 @@ def _mib(n):
   return f"{n / 2**20:.2f} MiB"
 
 
-def _handle(graph, text, var_nodes):
+def handle_of(graph, text, var_nodes):
   """The variable handle node behind input `text`, or None."""
   name = parse_input(text)[0]
   while name not in var_nodes:
     node = graph.get(name)
-    if node is None or node.op not in _HANDLE_PASSTHROUGH or not node.input:
+    if node is None or node.op not in HANDLE_PASSTHROUGH or not node.input:
       return None
     name = parse_input(node.input[0])[0]
   return name
@@ -228,12 +228,12 @@ def _handle_users(graph, var_nodes):
   """{handle: [ops taking it as input 0, through Identity]}."""
   users = collections.defaultdict(list)
   for node in graph.nodes:
-    if node.op in _HANDLE_PASSTHROUGH or not node.input or node.name in var_nodes:
+    if node.op in HANDLE_PASSTHROUGH or not node.input or node.name in var_nodes:
       continue
     for text in node.input:
       if text.startswith("^"):
         continue
-      handle = _handle(graph, text, var_nodes)
+      handle = handle_of(graph, text, var_nodes)
       if handle is not None:
         users[handle].append(node)
   return users
@@ -250,7 +250,7 @@ def _variables_read_by(graph, write, roles, var_nodes):
     seen.add(name)
     node = graph.node(name)
     if node.op in constants.VARIABLE_READ_OPS and node.input:
-      handle = _handle(graph, node.input[0], var_nodes)
+      handle = handle_of(graph, node.input[0], var_nodes)
       if handle is not None:
         found.add(handle)
       continue
