@@ -34,6 +34,8 @@ CASES = [
     ("gpt_raw", "dp=2,tp=2", 2, 1, None),
     ("gpt_keras3", "dp=2", 2, 2, None),
     ("gpt_tfkeras", "dp=2", 2, 1, None),
+    ("gpt_raw", "dp=2,pp=2", 2, 1, None),   # with a pipeline
+    ("gpt_raw", "dp=2,pp=2", 2, 2, None),
 ]
 SLOW_CASES = [(name, mesh, m, stage, b)
               for name in ("gpt_raw", "gpt_keras3", "gpt_tfkeras", "mlp_keras3",
