@@ -82,6 +82,14 @@ def test_simulation_honours_control_edges_and_transfers():
   # b and c; x itself is an input, static on d0.
   assert res.memory[1].peak == 3 * ROUNDED
   assert res.memory[0].inputs == ROUNDED
+  # One allocator serving both devices (logical CPU devices of one process)
+  # peaks at the largest sum at any instant, below the sum of the peaks.
+  timelines = [sim.memory_timeline(d) for d in range(2)]
+  def level(d, when):
+    return [b for t_, b in timelines[d] if t_ <= when][-1]
+  times = {t_ for tl in timelines for t_, _ in tl}
+  assert res.shared_peak == max(level(0, w) + level(1, w) for w in times)
+  assert res.shared_peak < res.memory[0].peak + res.memory[1].peak
 
 
 def test_collective_members_wait_for_one_alpha_beta_task():

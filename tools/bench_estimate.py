@@ -17,7 +17,20 @@ small), in a fresh Python process:
   measured in the same process (the micro-benchmark, plus the graph's ops
   when --calibrate_graph), and by the micro-benchmark alone.
 
+With --passes, each model's step rewritten by tfsplit.split with each memory
+pass instead, memory only, one process per model and pass (measure_pass): recompute (recompute='blocks' over
+dp=1: one device, the allocator's peak is the device's) and zero (zero=1
+over dp=2: both logical devices draw on the process's one CPU allocator, so
+the measured peak is the sum over devices, compared with the simulated peak
+of that sum, GraphSimResult.shared_peak, not with the sum of per-device
+peaks, which would count the devices' peaks as if they coincided). Beside
+the peak: the step's shard variables as created (the state ZeRO shards,
+exact in any process) against the estimate's, and the estimate of the same mesh
+without the pass (a comparison that passes for it too cannot see the pass).
+
     python tools/bench_estimate.py [--models mlp_raw:small,gpt_raw:small]
+    python tools/bench_estimate.py --models gpt_raw:small --passes \
+        none,recompute,zero [--batch 2]
 """
 import json
 import os
@@ -37,8 +50,26 @@ flags.DEFINE_list("models", ["mlp_raw:small", "gpt_raw:small",
 flags.DEFINE_integer("steps", 20, "Timed training steps per model (median).")
 flags.DEFINE_boolean("time", True, "Also measure and estimate step time "
                      "(calibration takes a few seconds per model).")
+flags.DEFINE_list("passes", [], "Instead, measure each model rewritten by "
+                  "each of these: none (split over dp=1, no pass), recompute "
+                  "(recompute='blocks', dp=1), zero (zero=1, dp=2); memory "
+                  "only.")
+flags.DEFINE_integer("batch", 0, "Batch size of every model (0: the size's "
+                     "default).", lower_bound=0)
 flags.DEFINE_string("one", None, "Internal: measure NAME:SIZE here and print "
                     "one JSON line.")
+flags.DEFINE_string("one_pass", "", "Internal: the pass --one measures "
+                    "(a PASSES key; none: split over dp=1 without a pass).")
+
+# Each memory pass as tfsplit.split's arguments. One process holds one CPU
+# allocator for all its logical devices, so a multi-device split (zero over
+# dp=2) is measured as the sum over its devices, and compared with the
+# estimate of the same sum (graph_sim's shared_peak).
+PASSES = {
+    "none": None,
+    "recompute": {"mesh": "dp=1", "recompute": "blocks"},
+    "zero": {"mesh": "dp=2", "zero": 1},
+}
 
 
 def measure_one(name, size, steps, with_time):
@@ -102,12 +133,93 @@ def measure_one(name, size, steps, with_time):
   return out
 
 
-def run_one(spec, steps=20, with_time=True, timeout=600):
+def _mesh_size(mesh):
+  size = 1
+  for part in mesh.split(","):
+    size *= int(part.split("=")[1])
+  return size
+
+
+def measure_pass(name, size, pass_name, batch=0):
+  """Measured and estimated peak of one model's training step rewritten by
+  tfsplit.split with PASSES[pass_name] ('none': split over dp=1, no pass).
+
+  The process also holds the original model (its variables and optimizer
+  slots, built by one step of the original before anything is measured):
+  what is in use then is subtracted from every peak, so the measured peak is
+  the split step's own (its shard variables, constants, inputs, and the
+  step's transient tensors), as the estimate counts it. Every logical device
+  draws on the process's one CPU allocator: the measured peak is the sum over
+  devices, compared with the simulated peak of that sum (shared_peak); the
+  per-device estimates are reported beside it.
+  """
+  import gc  # pylint: disable=import-outside-toplevel
+  import statistics  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import graph_sim  # pylint: disable=import-outside-toplevel
+
+  kwargs = dict(PASSES[pass_name] or {"mesh": "dp=1"})
+  ndev = _mesh_size(kwargs["mesh"])
+  tf.config.threading.set_inter_op_parallelism_threads(1)  # see measure_one
+  if ndev > 1:
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0],
+        [tf.config.LogicalDeviceConfiguration()] * ndev)
+  ex = models.build(name, size, seed=0, batch_size=batch or None)
+  ex.train_step(*[tf.constant(x) for x in ex.make_inputs("train", seed=1)])
+  gc.collect()
+  other = tf.config.experimental.get_memory_info("CPU:0")["current"]
+  step = tfsplit.split(
+      ex.train_step, input_signature=ex.train_signature,
+      variable_names=list(zip(ex.all_variables(), ex.variable_names())),
+      **kwargs)
+  # The split step's variables (its shards, from the manifest) as allocated,
+  # each rounded up to the allocator's 256 bytes: exact in any process,
+  # where a peak moves with the order the devices' ops interleave in.
+  state = sum(-(-v.dtype.size * v.shape.num_elements() // 256) * 256
+              for v in step.variables.values())
+  inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
+  float(step(*inputs))  # kernels, constants
+  peaks = []
+  for _ in range(_MEMORY_STEPS):
+    tf.config.experimental.reset_memory_stats("CPU:0")
+    float(step(*inputs))
+    peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"] -
+                 other)
+  cluster = cluster_lib.from_preset("cpu-host", ndev)
+  res = graph_sim.simulate_graph(step.graph_def, cluster)
+  out = {"model": f"{name}:{size}", "pass": pass_name, "mesh": kwargs["mesh"],
+         "batch": int(inputs[0].shape[0]), "state": state,
+         "measured_peak": int(statistics.median(peaks)),
+         "measured_peaks": peaks, "estimated_peak": res.shared_peak,
+         "device_peaks": [m.peak for m in res.memory],
+         "memory": [m.as_dict() for m in res.memory],
+         "estimated_state": sum(m.parameters + m.optimizer_state
+                                for m in res.memory)}
+  if PASSES[pass_name]:
+    # The estimate as if the pass did nothing: the same mesh without it. A
+    # comparison that this also passes could not tell a pass from none.
+    from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+    plain = split_graph(step.original_graph_def, step.mesh).graph_def
+    res = graph_sim.simulate_graph(plain, cluster)
+    out["estimated_without_pass"] = res.shared_peak
+    out["estimated_state_without_pass"] = sum(
+        m.parameters + m.optimizer_state for m in res.memory)
+  return out
+
+
+def run_one(spec, steps=20, with_time=True, timeout=600, pass_name=None,
+            batch=0):
   """measure_one in a fresh process (its own allocator); returns the dict."""
   env = dict(os.environ, TF_CPU_ALLOCATOR_USE_BFC="true",
              TF_CPP_MIN_LOG_LEVEL="2")
   cmd = [sys.executable, os.path.abspath(__file__), f"--one={spec}",
          f"--steps={steps}", f"--time={str(with_time).lower()}"]
+  if pass_name:
+    cmd += [f"--one_pass={pass_name}", f"--batch={batch}"]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=env,
                         timeout=timeout, check=False)
   lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
@@ -121,12 +233,49 @@ def _ratio(est, real):
   return f"{est / real:.3f}" if real else "-"
 
 
+def print_passes(rows):
+  """The --passes table: each rewritten step's peak and state, measured and
+  estimated, and the estimate of the same mesh without the pass."""
+  print("memory of rewritten training steps (one process each; every device "
+        "on its one CPU allocator: the sum over devices)")
+  print(f"  {'model':18s} {'pass':10s} {'mesh':5s} {'batch':>5s} "
+        f"{'measured':>12s} {'estimated':>12s} {'ratio':>6s} "
+        f"{'min-max ratio':>13s} {'no pass':>6s} {'state':>10s} "
+        f"{'est':>10s} {'ratio':>6s} {'no pass':>7s}  per-device est")
+  for r in rows:
+    m, e = r["measured_peak"], r["estimated_peak"]
+    lo, hi = min(r["measured_peaks"]), max(r["measured_peaks"])
+    without = r.get("estimated_without_pass")
+    state_without = r.get("estimated_state_without_pass")
+    print(f"  {r['model']:18s} {r['pass']:10s} {r['mesh']:5s} {r['batch']:5d} "
+          f"{m:12,d} {e:12,d} {_ratio(e, m):>6s} "
+          f"{_ratio(e, hi) + '-' + _ratio(e, lo):>13s} "
+          f"{_ratio(without, m) if without else '-':>6s} "
+          f"{r['state']:10,d} {r['estimated_state']:10,d} "
+          f"{_ratio(r['estimated_state'], r['state']):>6s} "
+          f"{_ratio(state_without, r['state']) if state_without else '-':>7s}  "
+          + " + ".join(f"{p:,d}" for p in r["device_peaks"]))
+  print("  ratio: estimate / measured (median of the steps' peaks; min-max: "
+        "over the steps); no pass: the estimate of the same mesh without the "
+        "pass / measured; state: the step's shard variables as created (from "
+        "the manifest), against the estimate's parameters + optimizer state "
+        "over all devices (from the graph)")
+
+
 def main(argv):
   del argv
   if FLAGS.one:
     name, _, size = FLAGS.one.partition(":")
-    print(json.dumps(measure_one(name, size or "small", FLAGS.steps,
-                                 FLAGS.time)))
+    if FLAGS.one_pass:
+      print(json.dumps(measure_pass(name, size or "small", FLAGS.one_pass,
+                                    FLAGS.batch)))
+    else:
+      print(json.dumps(measure_one(name, size or "small", FLAGS.steps,
+                                   FLAGS.time)))
+    return
+  if FLAGS.passes:
+    print_passes([run_one(spec, with_time=False, pass_name=p, batch=FLAGS.batch)
+                  for spec in FLAGS.models for p in FLAGS.passes])
     return
   rows = [run_one(spec, FLAGS.steps, FLAGS.time) for spec in FLAGS.models]
   print("memory (single device, training step; allocator peak vs estimate)")

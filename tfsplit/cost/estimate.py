@@ -100,7 +100,7 @@ def graph_estimate(path, cluster="cpu-host", devices=None, calibration=None,
   sim = res.sim
   written = output.write_schedule(sim, trace, gantt)
   summary = dict(res.summary(), graph=path, cluster=spec.name, calibration=calibration,
-                 **written)
+                 shared_peak=res.shared_peak, **written)
   costs = (f"calibrated ({res.measured_ops} ops measured, {res.modelled_ops} modelled)"
            if table else "roofline (no calibration)")
   lines = [f"{path}: {len(graph)} nodes on {len(labels)} device(s) of "
@@ -120,4 +120,10 @@ def graph_estimate(path, cluster="cpu-host", devices=None, calibration=None,
                         indent="  ", rule=False).split("\n")
   lines.append("  (transient: activations, gradients and temporaries at "
                "their simulated peak; sizes decimal)")
+  if len(res.memory) > 1:
+    # Logical devices of one process (CPU:0, CPU:1, ...) share one allocator,
+    # whose peak is that of the sum, not the sum of the devices' peaks.
+    lines.append(f"  all devices on one allocator (logical devices of one "
+                 f"process): peak {fb(res.shared_peak)} (sum of the devices' "
+                 f"peaks {fb(sum(m.peak for m in res.memory))})")
   return summary, lines + _wrote(written)

@@ -135,6 +135,12 @@ class GraphSimResult:
   def step_time(self):
     return self.sim.step_time
 
+  @property
+  def shared_peak(self):
+    """Peak bytes summed over all devices at each instant: what one allocator
+    serving every device (one process's logical CPU devices) reaches."""
+    return self.sim.shared_peak()
+
   def summary(self):
     rows = self.sim.device_summary()
     for row, mem in zip(rows, self.memory):

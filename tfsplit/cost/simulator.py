@@ -353,16 +353,29 @@ class SimResult:
       return 0.0
     return 1.0 - self.busy[device] / self.step_time
 
+  def shared_peak(self, devices=None):
+    """Peak of the bytes in use summed over `devices` (default: all), as one
+    allocator serving them all sees it (the logical CPU devices of one
+    process share one); at most the sum of their own peaks."""
+    devices = list(self.graph.devices if devices is None else devices)
+    level = peak = sum(self.graph.static_bytes[d] for d in devices)
+    merged = sorted(e for d in devices for e in self._memlog[d])
+    for _, delta in merged:  # frees sort before allocations at one instant
+      level += delta
+      if level > peak:
+        peak = level
+    return peak
+
   def memory_timeline(self, device):
     """[(time, bytes in use)] after each change, static bytes included."""
     level = self.graph.static_bytes[device]
     out = [(0.0, level)]
-    for time, delta in sorted(self._memlog[device]):
+    for when, delta in sorted(self._memlog[device]):
       level += delta
-      if out[-1][0] == time:
-        out[-1] = (time, level)
+      if out[-1][0] == when:
+        out[-1] = (when, level)
       else:
-        out.append((time, level))
+        out.append((when, level))
     return out
 
   def events(self):
