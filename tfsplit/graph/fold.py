@@ -140,7 +140,44 @@ def _fold(graph, shapes):
       for i, text in enumerate(node.input):
         if text in redirect:
           node.input[i] = redirect[text]
+  _reductions_over_nothing_to_identity(out)
   return out, {name: values[name] for name in targets}
+
+
+# Reductions that return their input unchanged when the axes are empty.
+_REDUCTIONS = frozenset(["Sum", "Mean", "Prod", "Max", "Min", "All", "Any"])
+
+
+def _reductions_over_nothing_to_identity(graph_def):
+  """Makes each reduction whose axes are an empty constant an Identity (in
+  place). Gradients reduce over the axes BroadcastGradientArgs gives, which
+  fold to [] where nothing was broadcast: the Sum is then a copy, which every
+  device would run each step (Grappler's constant folding drops it too, at a
+  cost on a split graph's size)."""
+  empty = set()
+  for node in graph_def.node:
+    if node.op == "Const" and not node.input:
+      dims = node.attr["value"].tensor.tensor_shape.dim
+      if len(dims) == 1 and dims[0].size == 0:
+        empty.add(node.name)
+  if not empty:
+    return
+  for node in graph_def.node:
+    if node.op not in _REDUCTIONS or len(node.input) < 2:
+      continue
+    axes = node.input[1]
+    if axes.endswith(":0"):
+      axes = axes[:-2]
+    if axes not in empty:
+      continue
+    dtype = node.attr["T"].type
+    inputs = [node.input[0]] + [t for t in node.input[2:] if t.startswith("^")]
+    node.op = "Identity"
+    del node.input[:]
+    node.input.extend(inputs)
+    for key in [k for k in node.attr if not k.startswith("_")]:
+      del node.attr[key]
+    node.attr["T"].type = dtype
 
 
 def fold_and_expand(graph, shapes):
