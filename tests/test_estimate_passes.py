@@ -43,3 +43,41 @@ def test_zero1_estimate_within_15_percent_of_allocator_peak_and_state():
   # Each device holds half the slots: the per-device estimates are balanced.
   low, high = sorted(r["device_peaks"])
   assert high < 1.1 * low, r
+
+
+def test_offload_estimate_within_15_percent_of_allocator_peak_and_state():
+  # offload='optimizer' over dp=1 on CPU:1 with its host CPU:0: two logical
+  # devices of one process on one allocator, so the measured peak is their
+  # sum, compared with the simulated peak of that sum. Moving the slots to
+  # the host changes their device, not the allocator: the shared peak is the
+  # same with or without the pass, and the pass shows in the state per
+  # device, exact from the manifest's shards.
+  r = bench_estimate.run_one("gpt_raw:small", with_time=False,
+                             pass_name="offload")
+  assert r["estimated_peak"] == pytest.approx(r["measured_peak"],
+                                              rel=TOLERANCE), r
+  # The devices as the manifest places the shards: CPU:0 the host, CPU:1
+  # the mesh device.
+  shards = r["device_state"]
+  host, device = sorted(shards)
+  assert host.endswith("CPU:0") and device.endswith("CPU:1"), shards
+  est = {d: r["estimated_device_state"].get(d, 0) for d in shards}
+  # The host holds the slots and only them; the mesh device the weights
+  # (and the step counter), no slot.
+  assert shards[host]["slots"] > 0 and shards[host]["weights"] == 0, shards
+  assert shards[device]["slots"] == 0 and shards[device]["weights"] > 0, shards
+  assert est[host] == shards[host]["slots"], (est, shards)
+  assert est[device] == shards[device]["weights"], (est, shards)
+  # The estimator's per-device static memory says the same: the host's state
+  # is all optimizer state, the mesh device's parameters are all its state
+  # but the step counter's few bytes.
+  memory = {m["device"]: m for m in r["memory"]}
+  assert memory[host]["parameters"] == 0, memory
+  assert memory[host]["optimizer_state"] == est[host], memory
+  assert memory[device]["parameters"] + memory[device]["optimizer_state"] == \
+      est[device], memory
+  assert memory[device]["optimizer_state"] < 0.01 * est[host], memory
+  # Without the pass, the one mesh device holds it all: the per-device
+  # comparison above is what tells the pass from none.
+  assert r["estimated_device_state_without_pass"] == {
+      device: r["state"]}, r["estimated_device_state_without_pass"]

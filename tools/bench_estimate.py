@@ -27,10 +27,15 @@ peaks, which would count the devices' peaks as if they coincided). Beside
 the peak: the step's shard variables as created (the state ZeRO shards,
 exact in any process) against the estimate's, and the estimate of the same mesh
 without the pass (a comparison that passes for it too cannot see the pass).
+offload (offload='optimizer' over dp=1 on CPU:1, its host CPU:0: two logical
+devices on the one allocator, compared as zero's): the shared peak hardly
+moves (the slots change device, not allocator), so the state per device is
+printed beside it, estimated against the manifest's shards: the host holds
+the slots, the mesh device the weights.
 
     python tools/bench_estimate.py [--models mlp_raw:small,gpt_raw:small]
     python tools/bench_estimate.py --models gpt_raw:small --passes \
-        none,recompute,zero [--batch 2]
+        none,recompute,zero,offload [--batch 2]
 """
 import json
 import os
@@ -52,7 +57,8 @@ flags.DEFINE_boolean("time", True, "Also measure and estimate step time "
                      "(calibration takes a few seconds per model).")
 flags.DEFINE_list("passes", [], "Instead, measure each model rewritten by "
                   "each of these: none (split over dp=1, no pass), recompute "
-                  "(recompute='blocks', dp=1), zero (zero=1, dp=2); memory "
+                  "(recompute='blocks', dp=1), zero (zero=1, dp=2), offload "
+                  "(offload='optimizer', dp=1 on CPU:1, host CPU:0); memory "
                   "only.")
 flags.DEFINE_integer("batch", 0, "Batch size of every model (0: the size's "
                      "default).", lower_bound=0)
@@ -69,7 +75,12 @@ PASSES = {
     "none": None,
     "recompute": {"mesh": "dp=1", "recompute": "blocks"},
     "zero": {"mesh": "dp=2", "zero": 1},
+    # The mesh on CPU:1 (an accelerator's stand-in), its host CPU:0 apart
+    # from it: the slots and their updates on the host, the weights on CPU:1.
+    "offload": {"mesh": "dp=1", "offload": "optimizer"},
 }
+# Passes whose mesh sits on CPU:1.. with CPU:0 its host (a device apart).
+HOSTED = ("offload",)
 
 
 def measure_one(name, size, steps, with_time):
@@ -160,9 +171,14 @@ def measure_pass(name, size, pass_name, batch=0):
   import tfsplit  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import graph_sim  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.mesh import Mesh, local_cpu_devices  # pylint: disable=import-outside-toplevel
 
   kwargs = dict(PASSES[pass_name] or {"mesh": "dp=1"})
-  ndev = _mesh_size(kwargs["mesh"])
+  mesh_text = kwargs["mesh"]
+  hosted = pass_name in HOSTED
+  ndev = _mesh_size(mesh_text) + hosted  # and the host, CPU:0
+  if hosted:
+    kwargs["mesh"] = Mesh.parse(mesh_text, local_cpu_devices(ndev)[1:])
   tf.config.threading.set_inter_op_parallelism_threads(1)  # see measure_one
   if ndev > 1:
     tf.config.set_logical_device_configuration(
@@ -181,6 +197,8 @@ def measure_pass(name, size, pass_name, batch=0):
   # where a peak moves with the order the devices' ops interleave in.
   state = sum(-(-v.dtype.size * v.shape.num_elements() // 256) * 256
               for v in step.variables.values())
+  # The same per device, from the manifest: which shards each device holds.
+  device_state = _manifest_device_state(step.manifest)
   inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
   float(step(*inputs))  # kernels, constants
   peaks = []
@@ -191,14 +209,18 @@ def measure_pass(name, size, pass_name, batch=0):
                  other)
   cluster = cluster_lib.from_preset("cpu-host", ndev)
   res = graph_sim.simulate_graph(step.graph_def, cluster)
-  out = {"model": f"{name}:{size}", "pass": pass_name, "mesh": kwargs["mesh"],
+  out = {"model": f"{name}:{size}", "pass": pass_name, "mesh": mesh_text,
          "batch": int(inputs[0].shape[0]), "state": state,
+         "device_state": device_state,
+         "devices": list(res.device_names),
          "measured_peak": int(statistics.median(peaks)),
          "measured_peaks": peaks, "estimated_peak": res.shared_peak,
          "device_peaks": [m.peak for m in res.memory],
          "memory": [m.as_dict() for m in res.memory],
          "estimated_state": sum(m.parameters + m.optimizer_state
-                                for m in res.memory)}
+                                for m in res.memory),
+         "estimated_device_state": {m.device: m.parameters + m.optimizer_state
+                                    for m in res.memory}}
   if PASSES[pass_name]:
     # The estimate as if the pass did nothing: the same mesh without it. A
     # comparison that this also passes could not tell a pass from none.
@@ -208,6 +230,26 @@ def measure_pass(name, size, pass_name, batch=0):
     out["estimated_without_pass"] = res.shared_peak
     out["estimated_state_without_pass"] = sum(
         m.parameters + m.optimizer_state for m in res.memory)
+    out["estimated_device_state_without_pass"] = {
+        m.device: m.parameters + m.optimizer_state for m in res.memory}
+  return out
+
+
+def _manifest_device_state(manifest):
+  """{device: {'slots': bytes, 'weights': bytes}} of the split step's shard
+  variables, from the manifest (a slot: an entry naming the weight it serves;
+  the rest: weights and other state), each shard rounded up to the
+  allocator's 256 bytes."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding import zero as zero_lib  # pylint: disable=import-outside-toplevel
+  out = {}
+  for entry in manifest.values():
+    kind = "slots" if zero_lib.SLOT_OF_KEY in entry else "weights"
+    size = np.dtype(entry["dtype"]).itemsize
+    for shard in entry["shards"]:
+      nbytes = int(np.prod(shard["shape"], dtype=np.int64)) * size
+      row = out.setdefault(shard["device"], {"slots": 0, "weights": 0})
+      row[kind] += -(-nbytes // 256) * 256
   return out
 
 
@@ -233,6 +275,12 @@ def _ratio(est, real):
   return f"{est / real:.3f}" if real else "-"
 
 
+def _device_state_text(device, estimated, manifest):
+  kinds = " + ".join(f"{k} {v:,d}" for k, v in sorted(manifest.items()) if v)
+  return (f"{device.rsplit('/', 1)[-1]} {estimated:,d} / "
+          f"{sum(manifest.values()):,d} ({kinds or 'none'})")
+
+
 def print_passes(rows):
   """The --passes table: each rewritten step's peak and state, measured and
   estimated, and the estimate of the same mesh without the pass."""
@@ -255,11 +303,17 @@ def print_passes(rows):
           f"{_ratio(r['estimated_state'], r['state']):>6s} "
           f"{_ratio(state_without, r['state']) if state_without else '-':>7s}  "
           + " + ".join(f"{p:,d}" for p in r["device_peaks"]))
+    if r["pass"] in HOSTED:
+      print("    state per device, estimated / manifest: " + "; ".join(
+          _device_state_text(d, est, r["device_state"].get(d, {}))
+          for d, est in r["estimated_device_state"].items()))
   print("  ratio: estimate / measured (median of the steps' peaks; min-max: "
         "over the steps); no pass: the estimate of the same mesh without the "
         "pass / measured; state: the step's shard variables as created (from "
         "the manifest), against the estimate's parameters + optimizer state "
-        "over all devices (from the graph)")
+        "over all devices (from the graph); offload: the mesh on CPU:1, its "
+        "host CPU:0, the state per device beside it (the host: the slots, "
+        "the mesh device: the weights)")
 
 
 def main(argv):
