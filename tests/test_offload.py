@@ -54,6 +54,7 @@ CASES = [
     ("gpt_raw", "dp=1", 4),
     ("gpt_raw", "pp=2", 4),
     ("gpt_keras3", "dp=2", 1),
+    ("gpt_tfkeras", "tp=2", 2),
 ]
 
 
