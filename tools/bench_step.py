@@ -33,7 +33,6 @@ watchdog threads for every collective run, which live as long as the timeout.
 import collections
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -41,6 +40,7 @@ from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging  # pylint: disable=g-import-not-at-top
 
+import benchlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from benchlib import define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -64,18 +64,6 @@ flags.DEFINE_integer("devices", 4, "Logical devices to configure (at least 4).",
 flags.DEFINE_enum("device_type", "CPU", ["CPU", "GPU"],
                   "Device type; logical CPUs, or the first GPU split into logical GPUs.")
 flags.DEFINE_integer("gpu_memory_mb", 4096, "Memory per logical GPU.")
-
-
-def _configure_devices():
-  """Logical devices, before anything starts the TensorFlow runtime."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  physical = tf.config.list_physical_devices(FLAGS.device_type)
-  if not physical:
-    raise SystemExit(f"no {FLAGS.device_type} device")
-  extra = {"memory_limit": FLAGS.gpu_memory_mb} if FLAGS.device_type == "GPU" else {}
-  tf.config.set_logical_device_configuration(
-      physical[0], [tf.config.LogicalDeviceConfiguration(**extra)] * FLAGS.devices)
-  return [d.name for d in tf.config.list_logical_devices(FLAGS.device_type)]
 
 
 def _mirrored_step(devices, inputs):
@@ -129,22 +117,10 @@ def _dp_reduces(result):
   return max(per_device.values()) if per_device else 0
 
 
-def _timed(fn, args):
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  t0 = time.perf_counter()
-  np.asarray(fn(*args))
-  return time.perf_counter() - t0
-
-
-def _percentile(values, q):
-  ordered = sorted(values)
-  return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  devices = _configure_devices()
+  devices = benchlib.logical_devices(FLAGS.device_type, FLAGS.devices, FLAGS.gpu_memory_mb)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import models  # pylint: disable=import-outside-toplevel
   import tfsplit  # pylint: disable=import-outside-toplevel
@@ -172,34 +148,21 @@ def main(argv):
   configs[f"tfsplit dp=2,tp=2 buckets {FLAGS.bucket_mb:g} MiB"] = \
       split("dp=2,tp=2", bucket) + (f"tfsplit dp=2 buckets {FLAGS.bucket_mb:g} MiB",)
 
-  for fn, args, _, _ in configs.values():
-    for _ in range(FLAGS.warmup):
-      _timed(fn, args)
-  samples = {name: [] for name in configs}
-  round_medians = {name: [] for name in configs}
-  for _ in range(FLAGS.rounds):
-    for name, (fn, args, _, _) in configs.items():
-      times = [_timed(fn, args) for _ in range(FLAGS.steps)]
-      samples[name] += times
-      round_medians[name].append(statistics.median(times))
-
+  samples, round_medians = benchlib.take_turns(
+      {name: (fn, args) for name, (fn, args, _, _) in configs.items()},
+      FLAGS.warmup, FLAGS.rounds, FLAGS.steps)
   median = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
   print(f"{FLAGS.model} {FLAGS.size}, global batch {FLAGS.batch}, {FLAGS.device_type} "
         f"logical devices, {FLAGS.rounds} rounds x {FLAGS.steps} steps after "
         f"{FLAGS.warmup} warm-up steps, {os.cpu_count()} cores, tfsplit collective "
         f"timeout {FLAGS.collective_timeout:g} s")
-  header = (f"{'configuration':<34} {'ms/step':>8} {'p10':>7} {'p90':>7} "
-            f"{'rounds min-max':>15} {'dp AR/dev':>9}  ratio")
+  header = f"{'configuration':<34} {benchlib.TIMING_HEADER} {'dp AR/dev':>9}  ratio"
   print(header)
   print("-" * len(header))
   for name, (_, _, reduces, baseline) in configs.items():
-    s = [t * 1e3 for t in samples[name]]
-    rounds = [t * 1e3 for t in round_medians[name]]
     ratio = f"{median[name] / median[baseline]:.2f} x {baseline}" if baseline else ""
-    print(f"{name:<34} {median[name]:>8.2f} {_percentile(s, 0.1):>7.2f} "
-          f"{_percentile(s, 0.9):>7.2f} {min(rounds):>7.2f}-{max(rounds):<7.2f} "
+    print(f"{name:<34} {benchlib.timing_columns(samples[name], round_medians[name])} "
           f"{'' if reduces is None else reduces:>9}  {ratio}")
-
 
 if __name__ == "__main__":
   app.run(main)

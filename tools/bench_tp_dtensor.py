@@ -28,7 +28,6 @@ function its SPMD expansion registers on the first call).
 import collections
 import os
 import statistics
-import time
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -37,6 +36,7 @@ from absl import flags  # pylint: disable=g-import-not-at-top
 from absl import logging  # pylint: disable=g-import-not-at-top
 import numpy as np  # pylint: disable=g-import-not-at-top
 
+import benchlib  # pylint: disable=g-import-not-at-top,wrong-import-position
 from benchlib import best_of  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -64,20 +64,6 @@ flags.DEFINE_integer("gpu_memory_mb", 4096, "Memory per logical GPU.")
 TP = 4
 COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduceScatterV2",
                "CollectiveAllToAllV2")
-
-
-def _configure_devices():
-  """4 logical devices, before anything starts the TensorFlow runtime."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  physical = tf.config.list_physical_devices(FLAGS.device_type)
-  if not physical:
-    raise SystemExit(f"no {FLAGS.device_type} device")
-  if FLAGS.device_type == "CPU":  # tfsplit would take logical GPUs first
-    tf.config.set_visible_devices([], "GPU")
-  extra = {"memory_limit": FLAGS.gpu_memory_mb} if FLAGS.device_type == "GPU" else {}
-  tf.config.set_logical_device_configuration(
-      physical[0], [tf.config.LogicalDeviceConfiguration(**extra)] * TP)
-  return [d.name for d in tf.config.list_logical_devices(FLAGS.device_type)]
 
 
 def _initial_values():
@@ -151,17 +137,6 @@ def _dtensor_expanded(step, args, known):
   return ctx.get_function_def(calls[0].attr["f"].func.name).node_def if len(calls) == 1 else None
 
 
-def _timed(fn, args):
-  t0 = time.perf_counter()
-  np.asarray(fn(*args))
-  return time.perf_counter() - t0
-
-
-def _percentile(values, q):
-  ordered = sorted(values)
-  return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def _graph_counts(nodes, by_device=False):
   """(ops, collectives) of NodeDefs, by_device: the most of any device's."""
   if nodes is None:
@@ -199,7 +174,7 @@ def _check(runs, steps):
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  devices = _configure_devices()[:TP]
+  devices = benchlib.logical_devices(FLAGS.device_type, TP, FLAGS.gpu_memory_mb)[:TP]
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   from tensorflow.experimental import dtensor  # pylint: disable=import-outside-toplevel
   from tensorflow.python.eager import context  # pylint: disable=import-outside-toplevel
@@ -241,34 +216,22 @@ def main(argv):
              "tfsplit tp=4": (split, placed, _graph_counts(split.graph_def.node, True),
                               "dtensor tp=4")}
 
-  for fn, args, _, _ in configs.values():
-    for _ in range(FLAGS.warmup):
-      _timed(fn, args)
-  samples = {name: [] for name in configs}
-  round_medians = {name: [] for name in configs}
-  for _ in range(FLAGS.rounds):
-    for name, (fn, args, _, _) in configs.items():
-      times = [_timed(fn, args) for _ in range(FLAGS.steps)]
-      samples[name] += times
-      round_medians[name].append(statistics.median(times))
-
+  samples, round_medians = benchlib.take_turns(
+      {name: (fn, args) for name, (fn, args, _, _) in configs.items()},
+      FLAGS.warmup, FLAGS.rounds, FLAGS.steps)
   median = {name: statistics.median(s) * 1e3 for name, s in samples.items()}
   print(f"{FLAGS.layers} Megatron MLP blocks {FLAGS.hidden}x{FLAGS.ffn}, batch {FLAGS.batch}, "
         f"{FLAGS.optimizer}, {FLAGS.device_type} logical devices, {FLAGS.rounds} rounds x "
         f"{FLAGS.steps} steps after {FLAGS.warmup} warm-up steps, {os.cpu_count()} cores, "
         f"tfsplit collective timeout {FLAGS.collective_timeout:g} s")
-  header = (f"{'configuration':<14} {'ms/step':>8} {'p10':>7} {'p90':>7} "
-            f"{'rounds min-max':>15} {'ops/dev':>7} {'AR/dev':>6}  ratio")
+  header = (f"{'configuration':<14} {benchlib.TIMING_HEADER} {'ops/dev':>7} "
+            f"{'AR/dev':>6}  ratio")
   print(header)
   print("-" * len(header))
   for name, (_, _, (nodes, coll), baseline) in configs.items():
-    s = [t * 1e3 for t in samples[name]]
-    rounds = [t * 1e3 for t in round_medians[name]]
     ratio = f"{median[name] / median[baseline]:.2f} x {baseline}" if baseline else ""
-    print(f"{name:<14} {median[name]:>8.2f} {_percentile(s, 0.1):>7.2f} "
-          f"{_percentile(s, 0.9):>7.2f} {min(rounds):>7.2f}-{max(rounds):<7.2f} "
+    print(f"{name:<14} {benchlib.timing_columns(samples[name], round_medians[name])} "
           f"{nodes:>7} {coll:>6}  {ratio}")
-
 
 if __name__ == "__main__":
   app.run(main)

@@ -6,6 +6,7 @@ benchlib before tfsplit or models.
 """
 import json
 import os
+import statistics
 import subprocess
 import sys
 import threading
@@ -144,3 +145,60 @@ def allocator_events(logdir):
         events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
   events.sort(key=lambda x: x[0])
   return events
+
+
+def logical_devices(device_type, count, gpu_memory_mb=None):
+  """`count` logical devices of `device_type` ('CPU', or the first GPU split
+  with `gpu_memory_mb` each), set before anything starts TensorFlow's
+  runtime; their names."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  physical = tf.config.list_physical_devices(device_type)
+  if not physical:
+    raise SystemExit(f"no {device_type} device")
+  if device_type == "CPU":  # tfsplit would take logical GPUs first
+    tf.config.set_visible_devices([], "GPU")
+  extra = {"memory_limit": gpu_memory_mb} if device_type == "GPU" else {}
+  tf.config.set_logical_device_configuration(
+      physical[0], [tf.config.LogicalDeviceConfiguration(**extra)] * count)
+  return [d.name for d in tf.config.list_logical_devices(device_type)]
+
+
+def _timed_step(fn, args):
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  np.asarray(fn(*args))
+  return time.perf_counter() - t0
+
+
+def take_turns(steps_by_name, warmup, rounds, steps):
+  """Times each {name: (fn, args)} step: `warmup` unmeasured calls each,
+  then `rounds` rounds of `steps` calls, the steps taking turns within a
+  round so load from other processes spreads over all of them. Returns
+  {name: [seconds per call]} and {name: [median seconds per round]}."""
+  for fn, args in steps_by_name.values():
+    for _ in range(warmup):
+      _timed_step(fn, args)
+  samples = {name: [] for name in steps_by_name}
+  round_medians = {name: [] for name in steps_by_name}
+  for _ in range(rounds):
+    for name, (fn, args) in steps_by_name.items():
+      times = [_timed_step(fn, args) for _ in range(steps)]
+      samples[name] += times
+      round_medians[name].append(statistics.median(times))
+  return samples, round_medians
+
+
+def percentile(values, q):
+  ordered = sorted(values)
+  return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+TIMING_HEADER = f"{'ms/step':>8} {'p10':>7} {'p90':>7} {'rounds min-max':>15}"
+
+
+def timing_columns(samples, round_medians):
+  """ms/step (median), p10, p90 and the round medians' range, as TIMING_HEADER."""
+  s = [t * 1e3 for t in samples]
+  rounds = [t * 1e3 for t in round_medians]
+  return (f"{statistics.median(s):>8.2f} {percentile(s, 0.1):>7.2f} "
+          f"{percentile(s, 0.9):>7.2f} {min(rounds):>7.2f}-{max(rounds):<7.2f}")
