@@ -73,7 +73,7 @@ class SplitFunction(object):
                annotations=None, variable_names=None, timeout_seconds=None,
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
-               offload=None, offload_device=None):
+               offload=None, offload_device=None, prepare=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
@@ -85,6 +85,8 @@ class SplitFunction(object):
                 else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
         else fn
     self.original_graph_def = load_graph(concrete, variable_names=variable_names)
+    if prepare is not None:  # a caller's GraphDef -> GraphDef edit before splitting
+      self.original_graph_def = prepare(self.original_graph_def)
     self.original_variables = _captured_variables(concrete, self.original_graph_def)
     self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
                               annotations=annotations, timeout_seconds=timeout_seconds,
@@ -123,13 +125,15 @@ class SplitFunction(object):
     shards, converting one of another mesh through full values; returns its
     step."""
     meta, saved = checkpoint_lib.load(directory)
-    values = checkpoint_lib.convert(meta, saved, self.manifest)
+    self._assign_shards(checkpoint_lib.convert(meta, saved, self.manifest))
+    return meta["step"]
+
+  def _assign_shards(self, values):
     if self._runner is not None:
       self._runner.assign(values)
     else:
       for name, value in values.items():
         self.variables[name].assign(value)
-    return meta["step"]
 
   def trace(self, *args):
     """(outputs, op events) of one step, traced with TF's profiler; events are
@@ -153,11 +157,18 @@ class SplitFunction(object):
     for name, value in self.full_values().items():
       self.original_variables[name].assign(value)
 
+  def assign_from_originals(self):
+    """The inverse of assign_back: every shard from the current value of the
+    original function's variable (after the user changed them)."""
+    values = {name: var.numpy() for name, var in self.original_variables.items()}
+    self._assign_shards(shards_lib.shard_values(self.manifest, values))
+
 
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
           variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
           layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
-          recompute=None, zero=0, cluster=None, offload=None, offload_device=None):
+          recompute=None, zero=0, cluster=None, offload=None, offload_device=None,
+          prepare=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -185,8 +196,10 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
     each device's host CPU (CPU:0 of its task; offload_device names another),
     the weights on the device (memory/offload.py); a host that is itself a
     mesh device is refused.
+  prepare: a GraphDef -> GraphDef function applied to the traced graph
+    before it is split (tfsplit.keras drops the Keras metric updates so).
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
                        timeout_seconds, microbatches, schedule, layer_ranges,
                        virtual_stages, bucket_bytes, recompute, zero, cluster, offload,
-                       offload_device)
+                       offload_device, prepare)

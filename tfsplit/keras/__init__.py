@@ -1,0 +1,71 @@
+"""`tfsplit.keras`: train a Keras model split over a device mesh with fit().
+
+    model = build_model()                  # a keras.Model or a tf_keras.Model
+    split_model = tfsplit.keras.split(model, mesh="dp=2,tp=2", microbatches=2)
+    split_model.compile(optimizer="adam", loss=..., metrics=[...])
+    split_model.fit(dataset, epochs=2, validation_data=val, callbacks=[...])
+    split_model.save_weights("model.weights.h5")   # full weights, for the plain model
+
+Keras 3 on TensorFlow has no model parallelism (its distribution API is
+implemented for JAX only); here the Keras loop runs unchanged and each
+training step is one tfsplit.split graph: tensor parallelism over `tp`,
+data parallelism over `dp`, pipeline stages over `pp`, micro-batches, and
+the memory passes, with the options tfsplit.split takes. Metrics, callbacks,
+validation_data and steps_per_execution work as in plain fit; evaluate and
+predict run the wrapped model on this process's default device with the
+trained weights (see tfsplit/keras/model.py for where the weights live).
+"""
+from tfsplit.errors import PlanError
+
+_CLASSES = {}
+
+
+def _split_model_class(flavor):
+  """SplitModel for the model's Keras: the mixin over keras.Model or tf_keras.Model."""
+  from tfsplit.keras.model import SplitModelMixin  # pylint: disable=import-outside-toplevel
+  base = flavor.module.Model
+  if base not in _CLASSES:
+
+    class SplitModel(SplitModelMixin, base):
+      """A Keras model trained split over a mesh (tfsplit.keras.split)."""
+
+      def __init__(self, model, flavor_, options, mesh_axes):
+        super().__init__(name=f"split_{model.name}")
+        self._init_split(model, flavor_, options, mesh_axes)
+
+    _CLASSES[base] = SplitModel
+  return _CLASSES[base]
+
+
+def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
+  """A Keras model that trains `model` split over `mesh` with fit().
+
+  model: a built or unbuilt keras.Model (Keras 3) or tf_keras.Model.
+  mesh: 'tp=2', 'dp=2,tp=2', 'pp=2', ... on this process's logical devices
+    (GPUs if any, else CPUs), or a cluster's tasks with cluster=.
+  microbatches: each replica's batch is cut into this many micro-batches
+    (gradients accumulated in the graph; with 'pp', the pipeline's).
+  options: the other keyword arguments of tfsplit.split (schedule,
+    layer_ranges, virtual_stages, recompute, zero, offload, bucket_bytes,
+    timeout_seconds, cluster, annotations).
+
+  Compile the returned model (not `model`) and call fit / evaluate / predict
+  on it; its save_weights and save write the wrapped model's full weights.
+  The global batch must divide by dp x microbatches, and every batch must
+  have the same shape (batch tf.data datasets with drop_remainder=True).
+  """
+  from tfsplit.keras.flavors import flavor_of  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.split_function import make_mesh  # pylint: disable=import-outside-toplevel
+  try:
+    flavor = flavor_of(model)
+  except TypeError as e:
+    raise PlanError(str(e)) from None
+  if options.get("plan") not in (None,):
+    raise PlanError("plan= is not available yet; pass mesh= (and microbatches=)")
+  options.pop("plan", None)
+  cluster, cluster_mesh = cluster_lib.place(mesh, options.get("cluster"))
+  mesh_obj = cluster_mesh or make_mesh(mesh)
+  del cluster
+  options = dict(options, mesh=mesh, microbatches=microbatches, strategy=strategy)
+  return _split_model_class(flavor)(model, flavor, options, dict(mesh_obj.axes))
