@@ -22,13 +22,27 @@ medians, each as a ratio to its baseline: dp=2 vs MirroredStrategy, dp=2,tp=2
 vs bucketed dp=2, one device vs nothing. The data-axis all-reduces per device
 in each tfsplit graph are printed beside it.
 
+Then the Keras fit path (--fit, on by default; Keras models only): seconds
+per epoch of --fit_steps batches of `model.fit` on
+
+  plain fit             the model on one device
+  mirrored fit dp=2     a fresh instance built and compiled under
+                        MirroredStrategy's scope
+  tfsplit.keras dp=2    tfsplit.keras.split(model, mesh="dp=2")
+  tfsplit.keras dp=2,tp=2
+
+each fit(epochs=1) call taking turns in --rounds rounds after one warm-up
+call each; the epoch is timed by a callback (on_epoch_begin to
+on_epoch_end), so Keras' per-call set-up is left out. Ratios: tfsplit dp=2
+against plain fit and against MirroredStrategy fit.
+
 tfsplit's collectives run without a timeout here by default, as
 MirroredStrategy's do (--collective_timeout): with one, TensorFlow starts
 watchdog threads for every collective run, which live as long as the timeout.
 
     python tools/bench_step.py [--model gpt_keras3] [--size small] [--batch 16]
         [--steps 20] [--rounds 5] [--warmup 3] [--bucket_mb 25] [--devices 4]
-        [--collective_timeout 0]
+        [--collective_timeout 0] [--nofit] [--fit_steps 10]
 """
 import collections
 import os
@@ -64,6 +78,8 @@ flags.DEFINE_integer("devices", 4, "Logical devices to configure (at least 4).",
 flags.DEFINE_enum("device_type", "CPU", ["CPU", "GPU"],
                   "Device type; logical CPUs, or the first GPU split into logical GPUs.")
 flags.DEFINE_integer("gpu_memory_mb", 4096, "Memory per logical GPU.")
+flags.DEFINE_bool("fit", True, "Also time Keras fit: plain, MirroredStrategy, tfsplit.keras.")
+flags.DEFINE_integer("fit_steps", 10, "Batches per timed fit epoch.", lower_bound=1)
 
 
 def _mirrored_step(devices, inputs):
@@ -98,6 +114,81 @@ def _mirrored_step(devices, inputs):
         lambda ctx: tf.constant(x[ctx.replica_id_in_sync_group * share:
                                   (ctx.replica_id_in_sync_group + 1) * share]))
   return step, [values(x) for x in inputs]
+
+
+def _fit_section(devices):
+  """Epoch seconds of plain, MirroredStrategy and tfsplit.keras fit (see the
+  module doc); prints the table."""
+  import time  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  import tfsplit.keras  # pylint: disable=import-outside-toplevel
+  from tfsplit.keras.flavors import flavor_of  # pylint: disable=import-outside-toplevel
+
+  ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  if ex.model is None:
+    print(f"\n{FLAGS.model} has no Keras model: no fit figures")
+    return
+  K = flavor_of(ex.model).module
+  batches = [ex.make_inputs("train", seed=1 + i) for i in range(FLAGS.fit_steps)]
+  arrays = tuple(np.concatenate([b[i] for b in batches]) for i in range(len(batches[0])))
+  x, y = (arrays[0] if len(arrays) == 2 else arrays[:-1]), arrays[-1]
+  dataset = tf.data.Dataset.from_tensor_slices((x, y)).batch(
+      FLAGS.batch, drop_remainder=True).cache()
+
+  def compiled(target):
+    target.compile(optimizer=K.optimizers.Adam(1e-3),
+                   loss=K.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return target
+
+  def fresh():
+    return models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch).model
+
+  strategy = tf.distribute.MirroredStrategy(devices=devices[:2])
+  with strategy.scope():
+    mirrored = compiled(fresh())
+  configs = collections.OrderedDict()
+  configs["plain fit"] = compiled(ex.model)
+  configs["mirrored fit dp=2"] = mirrored
+  timeout = FLAGS.collective_timeout or None
+  configs["tfsplit.keras dp=2"] = compiled(
+      tfsplit.keras.split(fresh(), mesh="dp=2", timeout_seconds=timeout))
+  configs["tfsplit.keras dp=2,tp=2"] = compiled(
+      tfsplit.keras.split(fresh(), mesh="dp=2,tp=2", timeout_seconds=timeout))
+
+  class EpochTimer(K.callbacks.Callback):
+
+    def __init__(self):
+      super().__init__()
+      self.seconds = []
+
+    def on_epoch_begin(self, epoch, logs=None):
+      self._start = time.perf_counter()
+
+    def on_epoch_end(self, epoch, logs=None):
+      self.seconds.append(time.perf_counter() - self._start)
+
+  timers = {name: EpochTimer() for name in configs}
+  for name, model in configs.items():  # warm-up: tracing, splitting
+    model.fit(dataset, epochs=1, verbose=0)
+  for _ in range(FLAGS.rounds):
+    for name, model in configs.items():
+      model.fit(dataset, epochs=1, verbose=0, callbacks=[timers[name]])
+  median = {name: statistics.median(t.seconds) for name, t in timers.items()}
+  print(f"\nKeras fit ({K.__name__} {K.__version__}): {FLAGS.fit_steps} batches of "
+        f"{FLAGS.batch} per epoch, {FLAGS.rounds} epochs each after one warm-up fit")
+  header = f"{'configuration':<26} {'s/epoch':>8} {'min':>7} {'max':>7}  ratio"
+  print(header)
+  print("-" * len(header))
+  baselines = {"tfsplit.keras dp=2": ("plain fit", "mirrored fit dp=2"),
+               "tfsplit.keras dp=2,tp=2": ("plain fit", "mirrored fit dp=2"),
+               "mirrored fit dp=2": ("plain fit",)}
+  for name, t in timers.items():
+    ratios = ", ".join(f"{median[name] / median[b]:.2f} x {b}"
+                       for b in baselines.get(name, ()))
+    print(f"{name:<26} {median[name]:>8.3f} {min(t.seconds):>7.3f} {max(t.seconds):>7.3f}  "
+          f"{ratios}")
 
 
 def _dp_reduces(result):
@@ -163,6 +254,8 @@ def main(argv):
     ratio = f"{median[name] / median[baseline]:.2f} x {baseline}" if baseline else ""
     print(f"{name:<34} {benchlib.timing_columns(samples[name], round_medians[name])} "
           f"{'' if reduces is None else reduces:>9}  {ratio}")
+  if FLAGS.fit:
+    _fit_section(devices)
 
 if __name__ == "__main__":
   app.run(main)

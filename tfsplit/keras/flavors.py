@@ -77,7 +77,9 @@ class TfKeras(object):
 
   @staticmethod
   def build_optimizer(model):
-    if hasattr(model.optimizer, "build") and not getattr(model.optimizer, "_built", True):
+    # The slots must exist before the step is traced (build() returns at once
+    # when they do); legacy optimizers create theirs in the trace.
+    if hasattr(model.optimizer, "build") and not getattr(model.optimizer, "_built", False):
       model.optimizer.build(model.trainable_variables)
 
   @staticmethod

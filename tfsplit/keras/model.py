@@ -16,6 +16,8 @@ fit of the plain model), pulled at each epoch's end (callbacks that read
 weights see the trained ones), before evaluate / predict / save, and when
 fit returns.
 """
+import re
+
 import numpy as np
 import tensorflow as tf
 
@@ -92,6 +94,12 @@ class SplitModelMixin(object):
       state.step.assign_back()
       state.weights_at = BOTH
 
+  @property
+  def split_step(self):
+    """The tfsplit.split step fit trains with (its manifest, shard values,
+    trace()); None before the first batch."""
+    return self._tfsplit.step
+
   def sync_weights(self):
     """Copies the split step's weights into the wrapped model now (fit and
     the Keras methods that read weights do it themselves)."""
@@ -119,19 +127,17 @@ class SplitModelMixin(object):
       return [loss] + tf.nest.flatten(y_pred)
 
     concrete = tf.function(step, input_signature=state.signature).get_concrete_function()
-    owned = list(self.variables) + flavor.optimizer_variables(self.optimizer)
-    owned_ids = {id(flavor.tf_variable(v)) for v in owned}
-    names = [(flavor.tf_variable(v), flavor.variable_name(v)) for v in self.model.variables]
-    names += [(flavor.tf_variable(v), "optimizer/" + flavor.variable_name(v))
-              for v in flavor.optimizer_variables(self.optimizer)]
+    named = named_variables(flavor, self)
+    owned_ids = {id(v) for _, v in named}
     metric_names = set()
     for metric in self.metrics:
       for v in metric.variables:
         tv = flavor.tf_variable(v)
         if id(tv) not in owned_ids:
           name = f"{_METRIC_PREFIX}{metric.name}/{flavor.variable_name(v)}"
-          names.append((tv, name))
+          named.append((name, tv))
           metric_names.add(name)
+    names = [(v, name) for name, v in named]
     try:
       state.step = SplitFunction(
           concrete, variable_names=names,
@@ -157,7 +163,6 @@ class SplitModelMixin(object):
 
   def _in_keras_terms(self, message):
     """`message` naming the Keras layer whose graph node it names."""
-    import re  # pylint: disable=import-outside-toplevel
     found = re.search(r"node '([^']+)'", message)
     layer = _layer_for_node(self.model, found.group(1)) if found else None
     prefix = f"Keras layer '{layer}': " if layer else ""
@@ -279,6 +284,16 @@ class SplitModelMixin(object):
     return self.model.save(*args, **kwargs)
 
 
+def named_variables(flavor, model):
+  """[(name in the split step, tf.Variable)]: the model's variables, then its
+  optimizer's, in a fixed order (a plain model compiled the same way lists
+  its own in the same order)."""
+  named = [(flavor.variable_name(v), flavor.tf_variable(v)) for v in model.variables]
+  named += [("optimizer/" + flavor.variable_name(v), flavor.tf_variable(v))
+            for v in flavor.optimizer_variables(model.optimizer)]
+  return named
+
+
 def _written_variables(graph_def):
   """Names of the captured variables some op of the graph writes."""
   from tfsplit.graph import variables as variables_lib  # pylint: disable=import-outside-toplevel
@@ -302,12 +317,13 @@ def _layer_names(model):
 
 
 def _layer_for_node(model, node_name):
-  """The deepest Keras layer name among the scopes of a graph node's name."""
+  """The Keras name of the deepest layer among a graph node's name scopes
+  (a layer called again in a trace gets a scope with a '_1' suffix)."""
   names = _layer_names(model)
-  parts = node_name.split("/")
-  for i in range(len(parts) - 1, -1, -1):
-    if parts[i] in names:
-      return "/".join(parts[:i + 1])
+  for part in reversed(node_name.split("/")[:-1]):
+    for candidate in (part, re.sub(r"_\d+$", "", part)):
+      if candidate in names:
+        return candidate
   return None
 
 

@@ -1,0 +1,290 @@
+"""Keras fit() on a split model (tfsplit.keras) against plain fit().
+
+Each case trains a corpus model (a task model wrapping a backbone with a tied
+LM head, Keras 3 or tf_keras) for 2 epochs with plain `fit` and with
+`tfsplit.keras.split(model, mesh=...).fit`, from the same weights on the same
+batches, and compares the per-epoch history (loss, metric, validation) at
+1e-4 and every copy of every variable (weights and optimizer slots) and its
+update after training, with the rounding noise of a second plain run on
+reversed batches as the noise floor (tfsplit.runtime.compare).
+"""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfsplit.keras
+from tfsplit.errors import PlanError, TfsplitError
+from tfsplit.keras.flavors import flavor_of
+from tfsplit.keras.model import named_variables
+from tfsplit.runtime import compare
+
+import models  # examples/models (see conftest.py)
+
+TIMEOUT = 60.0
+EXAMPLES, BATCH, EPOCHS = 32, 16, 2
+
+
+def _keras(name):
+  if name.endswith("_keras3"):
+    import keras  # pylint: disable=import-outside-toplevel
+    return keras
+  import tf_keras  # pylint: disable=import-outside-toplevel
+  return tf_keras
+
+
+def _text(cfg, n, seed):
+  rng = np.random.default_rng(seed)
+  seq = rng.integers(0, cfg.vocab, [n, cfg.seq + 1], dtype=np.int32)
+  return seq[:, :-1].copy(), seq[:, 1:].copy()
+
+
+def _dataset(arrays, reverse=False):
+  ds = tf.data.Dataset.from_tensor_slices(arrays).batch(BATCH, drop_remainder=True)
+  if reverse:  # the same batches, rows reversed: only reduction order changes
+    ds = ds.map(lambda x, y: (tf.reverse(x, [0]), tf.reverse(y, [0])))
+  return ds
+
+
+def _compile(target, K, steps_per_execution=1):
+  target.compile(optimizer=K.optimizers.Adam(1e-3),
+                 loss=K.losses.SparseCategoricalCrossentropy(from_logits=True),
+                 metrics=[K.metrics.SparseCategoricalAccuracy(name="acc")],
+                 steps_per_execution=steps_per_execution)
+
+
+def _fit(name, split=None, reverse=False, epochs=EPOCHS, callbacks=(), steps_per_execution=1):
+  """(history, {name: value} of every variable after fit, start values,
+  the model fit ran on) for a fresh corpus model."""
+  K = _keras(name)
+  ex = models.build(name, size="tiny", seed=0)
+  train = _text(ex.config, EXAMPLES, seed=1)
+  val = _text(ex.config, EXAMPLES // 2, seed=2)
+  target = (tfsplit.keras.split(ex.model, timeout_seconds=TIMEOUT, **split) if split
+            else ex.model)
+  _compile(target, K, steps_per_execution)
+  flavor = flavor_of(target)
+  flavor.build_optimizer(target)
+  start = {n: v.numpy().copy() for n, v in named_variables(flavor, target)}
+  history = target.fit(_dataset(train, reverse), epochs=epochs, verbose=0,
+                       validation_data=_dataset(val), callbacks=list(callbacks))
+  after = {n: v.numpy().copy() for n, v in named_variables(flavor, target)}
+  return history.history, after, start, target
+
+
+def _by_position(names, values):
+  """The plain run's values under the split run's variable names (a second
+  optimizer instance has another name prefix; the order is the same)."""
+  assert len(names) == len(values)
+  return dict(zip(names, values))
+
+
+_REFERENCES = {}
+
+
+def _reference(name, **kwargs):
+  """Plain fit, and plain fit on reversed batches (the noise floor); kept
+  for the session, several tests compare against the same one."""
+  key = (name, tuple(sorted(kwargs.items())))
+  if key not in _REFERENCES:
+    want_hist, want, _, _ = _fit(name, **kwargs)
+    alt_hist, alt, _, _ = _fit(name, reverse=True, **kwargs)
+    _REFERENCES[key] = want_hist, want, alt_hist, alt
+  return _REFERENCES[key]
+
+
+def _report(split_model, start, want, alt, got_hist, want_hist, alt_hist):
+  names = [n for n, _ in named_variables(flavor_of(split_model), split_model)]
+  want = _by_position(names, list(want.values()))
+  alt = _by_position(names, list(alt.values()))
+  comparisons = []
+  for key, values in want_hist.items():
+    assert key in got_hist, f"history has no '{key}': {sorted(got_hist)}"
+    assert len(got_hist[key]) == len(values), (key, got_hist[key], values)
+    for epoch, (g, w, a) in enumerate(zip(got_hist[key], values, alt_hist[key])):
+      comparisons.append(compare.compare("output", f"epoch {epoch + 1} {key}", g, w,
+                                         noise_abs=compare.noise(w, a)))
+  step = split_model.split_step
+  comparisons += compare.compare_variables(
+      step.manifest, {n: start[n] for n in step.manifest},
+      {n: want[n] for n in step.manifest}, step.shard_values(),
+      {n: alt[n] for n in step.manifest})
+  return compare.Report(comparisons, compare.DEFAULT_RTOL, True)
+
+
+def check_fit(name, split, steps_per_execution=1):
+  want_hist, want, alt_hist, alt = _reference(name, steps_per_execution=steps_per_execution)
+  got_hist, got, start, split_model = _fit(name, split,
+                                           steps_per_execution=steps_per_execution)
+  _report(split_model, start, want, alt, got_hist, want_hist, alt_hist).assert_ok(str(split))
+  # fit returned with the trained weights in the wrapped (plain) model.
+  for key, value in got.items():
+    assert np.array_equal(value, split_model.split_step.full_values()[key]), key
+  return split_model, want_hist
+
+
+MESHES = {
+    "dp2": dict(mesh="dp=2"),
+    "tp2": dict(mesh="tp=2"),
+    "dp2tp2_m2": dict(mesh="dp=2,tp=2", microbatches=2),
+    "pp2_m4": dict(mesh="pp=2", microbatches=4),
+}
+CI_CASES = [("causallm_keras3", "dp2tp2_m2"), ("causallm_tfkeras", "pp2_m4")]
+ALL_CASES = [(n, m) for n in ("causallm_keras3", "causallm_tfkeras") for m in MESHES]
+
+
+@pytest.mark.parametrize("name,mesh", [
+    pytest.param(n, m, marks=() if (n, m) in CI_CASES else pytest.mark.slow)
+    for n, m in ALL_CASES])
+def test_fit_matches_plain_fit(name, mesh):
+  check_fit(name, MESHES[mesh])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causallm_keras3", "causallm_tfkeras"])
+def test_steps_per_execution(name):
+  check_fit(name, MESHES["tp2"], steps_per_execution=2)
+
+
+def test_a_broken_step_fails_the_check():
+  """The comparison catches one wrong shard: the split run's tp shard of one
+  kernel nudged by 1e-3 of its size after the first epoch."""
+  name = "causallm_keras3"
+  want_hist, want, alt_hist, alt = _reference(name)
+  K = _keras(name)
+
+  class Nudge(K.callbacks.Callback):
+
+    def on_epoch_end(self, epoch, logs=None):
+      if epoch == 0:
+        step = self.model.split_step
+        entry = next(e for n, e in step.manifest.items() if n.endswith("kernel")
+                     and len({tuple(s["offsets"]) for s in e["shards"]}) > 1)
+        shard = step.variables[entry["shards"][1]["name"]]
+        shard.assign(shard * (1 + 1e-3))
+
+  got_hist, _, start, split_model = _fit(name, MESHES["tp2"], callbacks=[Nudge()])
+  report = _report(split_model, start, want, alt, got_hist, want_hist, alt_hist)
+  assert not report.ok, "a nudged shard passed the comparison"
+
+
+def _callbacks(K, directory, tag):
+  return [
+      K.callbacks.ModelCheckpoint(
+          os.path.join(directory, f"{tag}-best" + (".weights.h5" if K.__name__ == "keras"
+                                                    else ".h5")),
+          monitor="val_loss", save_best_only=True, save_weights_only=True),
+      # Stops after the second epoch: no epoch improves the loss by 10.
+      K.callbacks.EarlyStopping(monitor="loss", min_delta=10.0, patience=1),
+      K.callbacks.LearningRateScheduler(lambda epoch, lr: 1e-3 * 0.5 ** epoch),
+  ]
+
+
+@pytest.mark.parametrize("name", [
+    "causallm_keras3", pytest.param("causallm_tfkeras", marks=pytest.mark.slow)])
+def test_callbacks_and_checkpoint_into_plain_model(name, tmp_path):
+  """ModelCheckpoint + EarlyStopping + LearningRateScheduler + validation_data:
+  the same history as plain fit (the schedule's learning rates reach the split
+  step), and the best checkpoint written during split training loads into a
+  plain model and evaluates the same."""
+  K = _keras(name)
+  want_hist, want, _, plain = _fit(name, epochs=4,
+                                   callbacks=_callbacks(K, tmp_path, "plain"))
+  got_hist, got, _, split_model = _fit(name, MESHES["tp2"], epochs=4,
+                                       callbacks=_callbacks(K, tmp_path, "split"))
+  assert len(want_hist["loss"]) == 2, want_hist  # EarlyStopping stopped both
+  for key, values in want_hist.items():
+    for g, w in zip(got_hist[key], values):
+      assert compare.compare("output", key, g, w).ok, (key, got_hist[key], values)
+  del plain, want, got
+  ex = models.build(name, size="tiny", seed=0)
+  fresh = ex.model
+  _compile(fresh, K)
+  suffix = ".weights.h5" if K.__name__ == "keras" else ".h5"
+  fresh.load_weights(str(tmp_path / f"split-best{suffix}"))
+  val = _dataset(_text(ex.config, EXAMPLES // 2, seed=2))
+  loaded = fresh.evaluate(val, verbose=0, return_dict=True)
+  # save_best_only kept the epoch of the lowest val_loss: the plain model
+  # evaluates those weights to that epoch's validation figures.
+  best = int(np.argmin(got_hist["val_loss"]))
+  for key in ("loss", "acc"):
+    want_value = got_hist["val_" + key][best]
+    assert compare.compare("output", key, loaded[key], want_value).ok, (
+        key, loaded, best, got_hist)
+  # And the split model evaluates its final weights as the last epoch did.
+  final = split_model.evaluate(val, verbose=0, return_dict=True)
+  assert compare.compare("output", "loss", final["loss"], got_hist["val_loss"][-1]).ok
+
+
+@pytest.mark.slow
+def test_set_weights_reaches_the_split_step():
+  """Weights set through the split model (or loaded) are what the next fit
+  trains from: the model's variables are pushed into the shards."""
+  name = "causallm_keras3"
+  _, _, _, split_model = _fit(name, MESHES["tp2"], epochs=1)
+  zeros = [np.zeros_like(w) for w in split_model.get_weights()]
+  split_model.set_weights(zeros)
+  ex = models.build(name, size="tiny", seed=0)
+  split_model.fit(_dataset(_text(ex.config, BATCH, seed=3)), epochs=1, verbose=0)
+  full = split_model.split_step.full_values()
+  # Adam's first steps move each weight by about the learning rate: from
+  # zero, every trained weight stays within a few steps of it.
+  kernel = next(k for k in full if k.endswith("kernel"))
+  assert np.abs(full[kernel]).max() < 0.05, np.abs(full[kernel]).max()
+
+
+def test_batch_that_does_not_divide_is_one_line():
+  name = "causallm_keras3"
+  K = _keras(name)
+  ex = models.build(name, size="tiny", seed=0)
+  split_model = tfsplit.keras.split(ex.model, mesh="dp=2", microbatches=4)
+  _compile(split_model, K)
+  x, y = _text(ex.config, 12, seed=1)
+  with pytest.raises(PlanError) as error:
+    split_model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(12), epochs=1,
+                    verbose=0)
+  message = str(error.value)
+  assert "\n" not in message
+  assert "12 examples" in message and "dp=2 x microbatches=4" in message
+  assert "multiple of 8" in message and "drop_remainder=True" in message
+
+
+def test_smaller_last_batch_is_one_line():
+  name = "causallm_keras3"
+  K = _keras(name)
+  ex = models.build(name, size="tiny", seed=0)
+  split_model = tfsplit.keras.split(ex.model, mesh="dp=2")
+  _compile(split_model, K)
+  x, y = _text(ex.config, 24, seed=1)
+  with pytest.raises(PlanError) as error:
+    split_model.fit(tf.data.Dataset.from_tensor_slices((x, y)).batch(16), epochs=1,
+                    verbose=0)
+  message = str(error.value)
+  assert "\n" not in message and "int32[8, 8]" in message and "int32[16, 8]" in message
+  assert "drop_remainder=True" in message
+
+
+def test_layer_the_split_refuses_is_named_by_its_keras_name():
+  """A batch statistic under micro-batching (BatchNormalization in training
+  couples micro-batches): the error names the Keras layer."""
+  import keras  # pylint: disable=import-outside-toplevel
+  inputs = keras.Input([8])
+  h = keras.layers.Dense(16, name="proj")(inputs)
+  h = keras.layers.BatchNormalization(name="batch_stats")(h)
+  model = keras.Model(inputs, keras.layers.Dense(4, name="head")(h))
+  split_model = tfsplit.keras.split(model, mesh="dp=2", microbatches=2)
+  split_model.compile(optimizer="adam", loss="mse")
+  x = np.ones([8, 8], np.float32)
+  y = np.ones([8, 4], np.float32)
+  with pytest.raises(TfsplitError) as error:
+    split_model.fit(x, y, batch_size=8, epochs=1, verbose=0)
+  message = str(error.value)
+  assert "\n" not in message
+  assert message.startswith("Keras layer '") and "batch_stats" in message, message
+
+
+def test_not_a_keras_model_is_one_line():
+  with pytest.raises(PlanError) as error:
+    tfsplit.keras.split(tf.Module(), mesh="dp=2")
+  assert "keras.Model or tf_keras.Model" in str(error.value)
