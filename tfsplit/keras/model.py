@@ -39,7 +39,10 @@ class _State(object):
     self.options = options
     self.mesh_axes = mesh_axes
     self.step = None          # the SplitFunction, built from the first batch
-    self.signature = None     # [TensorSpec] of the flat batch it was built for
+    self.steps = {}           # batch shapes -> SplitFunction (shared shards)
+    self.trace = None         # the tf.function every split is traced from
+    self.names = None         # [(tf.Variable, name)] for load_graph
+    self.metric_names = set()  # metric variables whose updates are dropped
     self.structure = None     # (x, y, sample_weight) structure of a batch
     self.pred_structure = None
     self.fetch_predictions = False
@@ -106,16 +109,45 @@ class SplitModelMixin(object):
     self._use_model()
 
   # --- building the split step ----------------------------------------------------
-  def _build_step(self, data):
-    state, flavor = self._tfsplit, self._tfsplit.flavor
+  def _step_for(self, data):
+    """The split step for this batch's shapes: the first batch traces and
+    splits the step; a batch of other shapes (a smaller last batch) gets its
+    own split, over the same shard variables."""
+    state = self._tfsplit
     flat, structure = _flat(data)
-    x = data[0]
-    self._check_batch(flat, x)
+    key = tuple((tuple(t.shape), t.dtype) for t in flat)
+    if key in state.steps:
+      return state.steps[key], flat
+    self._check_batch(data[0])
+    if state.step is None:
+      self._prepare_first(data[0], structure)
+    signature = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
+    concrete = state.trace.get_concrete_function(*signature)
+    try:
+      step = SplitFunction(
+          concrete, variable_names=state.names,
+          prepare=lambda g: drop_variable_writes(g, state.metric_names)[0],
+          shared_variables=None if state.step is None else state.step.variables,
+          **state.options)
+    except TfsplitError as e:
+      raise type(e)(self._in_keras_terms(str(e))) from None
+    if state.step is None:
+      state.step = step
+      written = _written_variables(step.original_graph_def)
+      state.host_scalars = {name: var for name, var in step.original_variables.items()
+                            if name not in written and int(np.prod(var.shape)) <= 1}
+      state.weights_at = MODEL
+    state.steps[key] = step
+    return step, flat
+
+  def _prepare_first(self, x, structure):
+    """Builds what every split of the step shares: the traced function, the
+    variable names, the metric variables whose updates are dropped."""
+    state, flavor = self._tfsplit, self._tfsplit.flavor
     if not self.model.built:
       self.model(x, training=False)
     flavor.build_optimizer(self)
     state.structure = structure
-    state.signature = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
     state.fetch_predictions = wants_predictions(self)
 
     def step(*args):
@@ -126,30 +158,23 @@ class SplitModelMixin(object):
       state.pred_structure = y_pred
       return [loss] + tf.nest.flatten(y_pred)
 
-    concrete = tf.function(step, input_signature=state.signature).get_concrete_function()
+    state.trace = tf.function(step)
+    # Tracing once creates what the trace itself builds (tf_keras' loss
+    # metric) before the metric variables are listed.
+    flat, _ = _flat((x,) if structure is None else structure)
+    state.trace.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in flat])
     named = named_variables(flavor, self)
     owned_ids = {id(v) for _, v in named}
-    metric_names = set()
     for metric in self.metrics:
       for v in metric.variables:
         tv = flavor.tf_variable(v)
         if id(tv) not in owned_ids:
           name = f"{_METRIC_PREFIX}{metric.name}/{flavor.variable_name(v)}"
           named.append((name, tv))
-          metric_names.add(name)
-    names = [(v, name) for name, v in named]
-    try:
-      state.step = SplitFunction(
-          concrete, variable_names=names,
-          prepare=lambda g: drop_variable_writes(g, metric_names)[0], **state.options)
-    except TfsplitError as e:
-      raise type(e)(self._in_keras_terms(str(e))) from None
-    written = _written_variables(state.step.original_graph_def)
-    state.host_scalars = {name: var for name, var in state.step.original_variables.items()
-                          if name not in written and int(np.prod(var.shape)) <= 1}
-    state.weights_at = MODEL
+          state.metric_names.add(name)
+    state.names = [(v, name) for name, v in named]
 
-  def _check_batch(self, flat, x):
+  def _check_batch(self, x):
     dp = self._tfsplit.mesh_axes.get("dp", 1)
     m = int(self._tfsplit.options.get("microbatches", 1) or 1)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
@@ -157,9 +182,8 @@ class SplitModelMixin(object):
     if batch % (dp * m):
       raise PlanError(
           f"a batch of {batch} examples does not divide over dp={dp} x microbatches={m}: "
-          f"use a global batch size that is a multiple of {dp * m} (batch a tf.data "
-          "dataset with drop_remainder=True, so the last batch is not smaller)")
-    del flat
+          f"use a global batch size that is a multiple of {dp * m}, and a last batch "
+          "that is one too (batch a tf.data dataset with drop_remainder=True)")
 
   def _in_keras_terms(self, message):
     """`message` naming the Keras layer whose graph node it names."""
@@ -195,12 +219,9 @@ class SplitModelMixin(object):
     if not isinstance(data, tuple):
       data = (data,)
     data = tuple(data) + (None,) * (3 - len(data))
-    if state.step is None:
-      self._build_step(data)
-    flat, _ = _flat(data)
-    self._check_same_shape(flat)
+    step, flat = self._step_for(data)
     self._use_shards()
-    outputs = state.step(*flat)
+    outputs = step(*flat)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
     loss = outputs[0]
     y_pred = (tf.nest.pack_sequence_as(state.pred_structure, outputs[1:])
@@ -209,17 +230,6 @@ class SplitModelMixin(object):
     if state.metrics_fn is None:
       state.metrics_fn = tf.function(self._update_metrics)
     return state.metrics_fn(x, y, y_pred, sample_weight, tf.convert_to_tensor(loss))
-
-  def _check_same_shape(self, flat):
-    want = self._tfsplit.signature
-    if len(flat) != len(want) or any(
-        list(t.shape) != list(s.shape) or t.dtype != s.dtype for t, s in zip(flat, want)):
-      got = ", ".join(f"{t.dtype.name}{list(t.shape)}" for t in flat)
-      built = ", ".join(f"{s.dtype.name}{s.shape.as_list()}" for s in want)
-      raise PlanError(
-          f"a batch of shapes ({got}) reached the split step built for ({built}): every "
-          "batch must have the same shape; batch a tf.data dataset with "
-          "drop_remainder=True, or pass steps_per_epoch")
 
   def _update_metrics(self, x, y, y_pred, sample_weight, loss):
     first = next(t for t in tf.nest.flatten(x) if t is not None)

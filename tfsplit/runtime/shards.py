@@ -75,6 +75,32 @@ def create_shard_variables(manifest, full_values_by_name):
   return variables
 
 
+def _on_device(var, device):
+  """Whether `var` lives on `device` (a manifest's, perhaps without job/task)."""
+  held = tf.DeviceSpec.from_string(var.device)
+  return held.make_merged_spec(tf.DeviceSpec.from_string(device)) == held
+
+
+def check_same_layout(manifest, variables):
+  """`variables` ({shard name: tf.Variable}, another split of the same
+  function) if `manifest` places every shard the same way; else PlanError
+  naming the first variable laid out otherwise."""
+  from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
+  for name, entry in manifest.items():
+    for shard in entry["shards"]:
+      var = variables.get(shard["name"])
+      if var is None or list(var.shape) != list(shard["shape"]) or not _on_device(
+          var, shard["device"]):
+        raise PlanError(
+            f"variable '{name}' is split another way for this input shape than for the "
+            "first one (shard '{}'); give every call the same input shapes".format(
+                shard["name"]))
+  if sum(len(e["shards"]) for e in manifest.values()) != len(variables):
+    raise PlanError("this input shape splits the step over other variables than the "
+                    "first one; give every call the same input shapes")
+  return variables
+
+
 def full_values_from_checkpoint(path, names):
   """{name: value} read from a TF checkpoint (keys as saved by tf.train.Checkpoint
   or Keras: the variable name or object path)."""

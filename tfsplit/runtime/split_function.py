@@ -73,7 +73,7 @@ class SplitFunction(object):
                annotations=None, variable_names=None, timeout_seconds=None,
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
-               offload=None, offload_device=None, prepare=None):
+               offload=None, offload_device=None, prepare=None, shared_variables=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
@@ -102,6 +102,11 @@ class SplitFunction(object):
       self._runner = cluster_lib.ClusterRunner(
           self.graph_def, shards_lib.shard_values(self.manifest, values), self.cluster,
           timeout_seconds)
+    elif shared_variables is not None:
+      # The same function traced for another input shape (a smaller last
+      # batch): it trains the shard variables of the first split.
+      self.variables = shards_lib.check_same_layout(self.manifest, shared_variables)
+      self._fn = import_graph(self.graph_def, self.variables)
     else:
       self.variables = shards_lib.create_shard_variables(self.manifest, values)
       self._fn = import_graph(self.graph_def, self.variables)
