@@ -48,7 +48,7 @@ class _State(object):
     self.fetch_predictions = False
     self.host_scalars = {}    # {name: tf.Variable} the step reads, never writes
     self.pushed_scalars = {}
-    self.metrics_fn = None
+    self.metrics_fn = None    # tf.function of the loss and metric updates
     self.weights_at = MODEL
 
 
@@ -221,15 +221,16 @@ class SplitModelMixin(object):
     data = tuple(data) + (None,) * (3 - len(data))
     step, flat = self._step_for(data)
     self._use_shards()
+    # The step runs as its own function (with the Grappler settings the
+    # split chose, runtime/graph_function.py), not inlined into the metrics'.
     outputs = step(*flat)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    loss = outputs[0]
     y_pred = (tf.nest.pack_sequence_as(state.pred_structure, outputs[1:])
               if state.fetch_predictions else None)
     x, y, sample_weight = data
     if state.metrics_fn is None:
       state.metrics_fn = tf.function(self._update_metrics)
-    return state.metrics_fn(x, y, y_pred, sample_weight, tf.convert_to_tensor(loss))
+    return state.metrics_fn(x, y, y_pred, sample_weight, tf.convert_to_tensor(outputs[0]))
 
   def _update_metrics(self, x, y, y_pred, sample_weight, loss):
     first = next(t for t in tf.nest.flatten(x) if t is not None)
