@@ -267,7 +267,7 @@ def test_numpy_inputs_with_a_smaller_last_batch():
     history = target.fit(x, y, batch_size=16, epochs=2, verbose=0, shuffle=False)
     runs[split] = history.history, model.get_weights(), target
   (want_hist, want, _), (got_hist, got, split_model) = runs[False], runs[True]
-  assert len(split_model._tfsplit.steps) == 2  # pylint: disable=protected-access
+  assert len(split_model._tfsplit.kinds["train"].steps) == 2  # pylint: disable=protected-access
   for key, values in want_hist.items():
     for g, w in zip(got_hist[key], values):
       assert compare.compare("output", key, g, w).ok, (key, got_hist[key], values)
@@ -331,7 +331,8 @@ def _two_input_model(K, seed=0):
 def test_dict_inputs_save_and_load_model(flavor, tmp_path):
   """A two-input functional model trained with dp=2, m=2: the same history
   as plain fit; split_model.save writes the plain model, which loads with
-  Keras' own load_model and predicts what the split model predicts."""
+  Keras' own load_model and predicts what the split model predicts; the
+  split model's evaluate and predict run split and match the plain ones."""
   K = _keras(f"x_{flavor}")
   rng = np.random.default_rng(0)
   x = {"features": rng.standard_normal([32, 8]).astype(np.float32),
@@ -353,6 +354,15 @@ def test_dict_inputs_save_and_load_model(flavor, tmp_path):
   split_model.save(path)
   loaded = K.models.load_model(path, compile=False)
   assert type(loaded).__name__ != type(split_model).__name__
-  want = runs[False][1].predict(x, verbose=0)
-  for got in (loaded.predict(x, verbose=0), split_model.predict(x, verbose=0)):
+  want = runs[False][1].predict(x, verbose=0, batch_size=16)
+  for got in (loaded.predict(x, verbose=0, batch_size=16),
+              split_model.predict(x, verbose=0, batch_size=16)):
     assert compare.compare("output", "predictions", got, want).ok
+  # Evaluation and prediction ran split, on the training step's shards.
+  kinds = split_model._tfsplit.kinds  # pylint: disable=protected-access
+  assert len(kinds["predict"].steps) == 1 and not split_model._tfsplit.plain  # pylint: disable=protected-access
+  want_eval = runs[False][1].evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+  got_eval = split_model.evaluate(x, y, batch_size=16, verbose=0, return_dict=True)
+  assert len(kinds["test"].steps) == 1
+  for key, value in want_eval.items():
+    assert compare.compare("output", key, got_eval[key], value).ok, (got_eval, want_eval)

@@ -11,9 +11,9 @@ implemented for JAX only); here the Keras loop runs unchanged and each
 training step is one tfsplit.split graph: tensor parallelism over `tp`,
 data parallelism over `dp`, pipeline stages over `pp`, micro-batches, and
 the memory passes, with the options tfsplit.split takes. Metrics, callbacks,
-validation_data and steps_per_execution work as in plain fit; evaluate and
-predict run the wrapped model on this process's default device with the
-trained weights (see tfsplit/keras/model.py for where the weights live).
+validation_data and steps_per_execution work as in plain fit; after fit,
+evaluate and predict run split too, over the same shards (see
+tfsplit/keras/model.py for where the weights live).
 """
 from tfsplit.errors import PlanError
 
@@ -51,8 +51,8 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
 
   Compile the returned model (not `model`) and call fit / evaluate / predict
   on it; its save_weights and save write the wrapped model's full weights.
-  The global batch must divide by dp x microbatches, and every batch must
-  have the same shape (batch tf.data datasets with drop_remainder=True).
+  Every batch must divide by dp x microbatches; a batch of new shapes (a
+  smaller last batch) is split once more over the same shards.
   """
   from tfsplit.keras.flavors import flavor_of  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel

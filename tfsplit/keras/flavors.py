@@ -51,6 +51,13 @@ class Keras3(object):
     return loss, y_pred
 
   @staticmethod
+  def test(model, x, y, sample_weight):
+    """(loss, predictions) of one evaluation step."""
+    y_pred = model(x, training=False)
+    return model.compute_loss(x=x, y=y, y_pred=y_pred, sample_weight=sample_weight,
+                              training=False), y_pred
+
+  @staticmethod
   def steps_per_execution(model):
     return int(model.steps_per_execution or 1)
 
@@ -99,6 +106,11 @@ class TfKeras(object):
       loss = model.compute_loss(x, y, y_pred, sample_weight)
     model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
     return loss, y_pred
+
+  @staticmethod
+  def test(model, x, y, sample_weight):
+    y_pred = model(x, training=False)
+    return model.compute_loss(x, y, y_pred, sample_weight), y_pred
 
   @staticmethod
   def steps_per_execution(model):

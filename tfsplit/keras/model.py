@@ -1,23 +1,26 @@
 """The split Keras model: a Model subclass wrapping the user's model.
 
-Its `call` is the wrapped model's, so evaluate / predict / summary / save see
-the plain model. `make_train_function` (Keras' documented hook) returns a
-function that runs each batch through a tfsplit.split of one Keras training
-step (forward, compute_loss, gradients, optimizer.apply_gradients), traced
-once from the first batch; the loss metric and the compiled metrics are
-updated by Keras' own code, on this process's default device, from the
-step's loss and predictions. Nothing of Keras is patched.
+Its `call` is the wrapped model's, so summary / save see the plain model.
+`make_train_function` (Keras' documented hook) returns a function that runs
+each batch through a tfsplit.split of one Keras training step (forward,
+compute_loss, gradients, optimizer.apply_gradients), traced once from the
+first batch; the loss metric and the compiled metrics are updated by Keras'
+own code, on this process's default device, from the step's loss and
+predictions. `make_test_function` / `make_predict_function` do the same
+with forward-only splits over the training step's shards. Nothing of Keras
+is patched.
 
 Where the weights live: between fits the wrapped model's variables hold them;
 during fit the split step's shard variables do. `_use_shards` / `_use_model`
 copy one way or the other only when the other side is behind: pushed when a
 fit starts after the weights changed (set_weights, load_weights, another
 fit of the plain model), pulled at each epoch's end (callbacks that read
-weights see the trained ones), before evaluate / predict / save, and when
-fit returns.
+weights see the trained ones), before save / get_weights and when fit
+returns.
 """
 import re
 
+from absl import logging
 import numpy as np
 import tensorflow as tf
 
@@ -28,6 +31,7 @@ from tfsplit.runtime.split_function import SplitFunction
 
 # Where the current weights are (see the module doc).
 MODEL, SHARDS, BOTH = "model", "shards", "both"
+KINDS = ("train", "test", "predict")
 _METRIC_PREFIX = "keras_metric/"
 
 
@@ -38,18 +42,27 @@ class _State(object):
     self.flavor = flavor
     self.options = options
     self.mesh_axes = mesh_axes
-    self.step = None          # the SplitFunction, built from the first batch
-    self.steps = {}           # batch shapes -> SplitFunction (shared shards)
-    self.trace = None         # the tf.function every split is traced from
+    self.step = None          # the first training SplitFunction: owns the shards
+    self.kinds = {k: _Kind() for k in KINDS}
     self.names = None         # [(tf.Variable, name)] for load_graph
     self.metric_names = set()  # metric variables whose updates are dropped
-    self.structure = None     # (x, y, sample_weight) structure of a batch
-    self.pred_structure = None
-    self.fetch_predictions = False
     self.host_scalars = {}    # {name: tf.Variable} the step reads, never writes
     self.pushed_scalars = {}
     self.metrics_fn = None    # tf.function of the loss and metric updates
+    self.plain = {}           # kind -> the plain Keras step, for what is not split
     self.weights_at = MODEL
+
+
+class _Kind(object):
+  """One kind of step ('train', 'test', 'predict'): the tf.function every
+  split of it is traced from, and its splits by batch shapes."""
+
+  def __init__(self):
+    self.trace = None
+    self.steps = {}           # ((shape, dtype), ...) -> SplitFunction
+    self.structure = None     # (x, y, sample_weight) of a batch
+    self.pred_structure = None
+    self.fetch_predictions = True
 
 
 def _flat(data):
@@ -75,7 +88,7 @@ class SplitModelMixin(object):
     return self.model(inputs, training=training)
 
   # --- where the weights are ----------------------------------------------------
-  def _use_shards(self):
+  def _use_shards(self, writing=True):
     state = self._tfsplit
     if state.weights_at == MODEL:
       state.step.assign_from_originals()
@@ -89,7 +102,7 @@ class SplitModelMixin(object):
           for shard in state.step.manifest[name]["shards"]:
             state.step.variables[shard["name"]].assign(value)
           state.pushed_scalars[name] = value
-    state.weights_at = SHARDS
+    state.weights_at = SHARDS if writing or state.weights_at == SHARDS else BOTH
 
   def _use_model(self):
     state = self._tfsplit
@@ -108,21 +121,26 @@ class SplitModelMixin(object):
     the Keras methods that read weights do it themselves)."""
     self._use_model()
 
-  # --- building the split step ----------------------------------------------------
-  def _step_for(self, data):
-    """The split step for this batch's shapes: the first batch traces and
-    splits the step; a batch of other shapes (a smaller last batch) gets its
-    own split, over the same shard variables."""
+  # --- building the split steps -----------------------------------------------------
+  def _step_for(self, kind_name, data):
+    """(the split step for this batch's shapes, the flat batch). Training's
+    first batch traces and splits the step; a batch of other shapes (a
+    smaller last batch) gets its own split over the same shard variables, and
+    so do evaluation and prediction, once a training step owns the shards
+    (before that: None, the plain model runs)."""
     state = self._tfsplit
+    kind = state.kinds[kind_name]
     flat, structure = _flat(data)
     key = tuple((tuple(t.shape), t.dtype) for t in flat)
-    if key in state.steps:
-      return state.steps[key], flat
+    if key in kind.steps:
+      return kind.steps[key], flat
+    if kind_name != "train" and state.step is None:
+      return None, flat
     self._check_batch(data[0])
-    if state.step is None:
-      self._prepare_first(data[0], structure)
+    if kind.trace is None:
+      self._prepare(kind_name, data, structure)
     signature = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
-    concrete = state.trace.get_concrete_function(*signature)
+    concrete = kind.trace.get_concrete_function(*signature)
     try:
       step = SplitFunction(
           concrete, variable_names=state.names,
@@ -137,32 +155,42 @@ class SplitModelMixin(object):
       state.host_scalars = {name: var for name, var in step.original_variables.items()
                             if name not in written and int(np.prod(var.shape)) <= 1}
       state.weights_at = MODEL
-    state.steps[key] = step
+    kind.steps[key] = step
     return step, flat
 
-  def _prepare_first(self, x, structure):
-    """Builds what every split of the step shares: the traced function, the
-    variable names, the metric variables whose updates are dropped."""
+  def _prepare(self, kind_name, data, structure):
+    """The tf.function every split of one kind is traced from; for training
+    also what all kinds share: the variable names, and the metric variables
+    whose updates are dropped from the split graphs."""
     state, flavor = self._tfsplit, self._tfsplit.flavor
-    if not self.model.built:
-      self.model(x, training=False)
-    flavor.build_optimizer(self)
-    state.structure = structure
-    state.fetch_predictions = wants_predictions(self)
+    kind = state.kinds[kind_name]
+    x = data[0]
+    kind.structure = structure
+    if kind_name == "train":
+      if not self.model.built:
+        self.model(x, training=False)
+      flavor.build_optimizer(self)
+    kind.fetch_predictions = kind_name == "predict" or wants_predictions(self)
 
     def step(*args):
-      x_, y_, sw_ = _unflatten(state.structure, args)
-      loss, y_pred = flavor.train(self, x_, y_, sw_)
-      if not state.fetch_predictions:
-        return [loss]
-      state.pred_structure = y_pred
-      return [loss] + tf.nest.flatten(y_pred)
+      x_, y_, sw_ = _unflatten(kind.structure, args)
+      if kind_name == "predict":
+        loss, y_pred = None, self(x_, training=False)
+      elif kind_name == "test":
+        loss, y_pred = flavor.test(self, x_, y_, sw_)
+      else:
+        loss, y_pred = flavor.train(self, x_, y_, sw_)
+      kind.pred_structure = y_pred
+      head = [] if loss is None else [loss]
+      return head + (tf.nest.flatten(y_pred) if kind.fetch_predictions else [])
 
-    state.trace = tf.function(step)
+    kind.trace = tf.function(step)
     # Tracing once creates what the trace itself builds (tf_keras' loss
     # metric) before the metric variables are listed.
-    flat, _ = _flat((x,) if structure is None else structure)
-    state.trace.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in flat])
+    flat, _ = _flat(structure)
+    kind.trace.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in flat])
+    if kind_name != "train":
+      return
     named = named_variables(flavor, self)
     owned_ids = {id(v) for _, v in named}
     for metric in self.metrics:
@@ -192,41 +220,106 @@ class SplitModelMixin(object):
     prefix = f"Keras layer '{layer}': " if layer else ""
     return printable(prefix + message)
 
-  # --- the train function Keras' fit calls ---------------------------------------------
+  # --- the functions Keras' fit / evaluate / predict call ------------------------------
+  def _loop(self, run_batch):
+    """A Keras train/test function: `run_batch` over steps_per_execution
+    batches of the iterator Keras passes (a list of batches for Keras 3's
+    predict), returning the last logs or the outputs concatenated."""
+    flavor = self._tfsplit.flavor
+
+    def function(iterator):
+      results = []
+      batches = iter(iterator) if isinstance(iterator, list) else iterator
+      for _ in range(len(iterator) if isinstance(iterator, list)
+                     else flavor.steps_per_execution(self)):
+        try:
+          data = next(batches)
+        except (StopIteration, tf.errors.OutOfRangeError):
+          if not results:
+            raise StopIteration() from None
+          break
+        results.append(run_batch(_as_triple(data)))
+      return results
+
+    return function
+
   def make_train_function(self, force=False):
     if self.train_function is not None and not force:
       return self.train_function
+    loop = self._loop(self._train_batch)
     flavor = self._tfsplit.flavor
 
     def train_function(iterator):
-      logs = None
-      for _ in range(flavor.steps_per_execution(self)):
-        try:
-          data = next(iterator)
-        except (StopIteration, tf.errors.OutOfRangeError):
-          if logs is None:
-            raise StopIteration() from None
-          break
-        logs = self._train_batch(data)
+      logs = loop(iterator)[-1]
       flavor.count_execution(self)
       return logs
 
     self.train_function = train_function
     return train_function
 
+  def make_test_function(self, force=False):
+    if self.test_function is not None and not force:
+      return self.test_function
+    loop = self._loop(lambda data: self._split_or_plain("test", data))
+
+    def test_function(iterator):
+      return loop(iterator)[-1]
+
+    self.test_function = test_function
+    return test_function
+
+  def make_predict_function(self, force=False):
+    if self.predict_function is not None and not force:
+      return self.predict_function
+    loop = self._loop(lambda data: self._split_or_plain("predict", data))
+
+    def predict_function(iterator):
+      outputs = loop(iterator)
+      if len(outputs) == 1:
+        return outputs[0]
+      return tf.nest.map_structure(lambda *parts: tf.concat(parts, axis=0), *outputs)
+
+    self.predict_function = predict_function
+    return predict_function
+
   def _train_batch(self, data):
-    state = self._tfsplit
-    if not isinstance(data, tuple):
-      data = (data,)
-    data = tuple(data) + (None,) * (3 - len(data))
-    step, flat = self._step_for(data)
+    step, flat = self._step_for("train", data)
     self._use_shards()
+    return self._after_step("train", step(*flat), data)
+
+  def _split_or_plain(self, kind_name, data):
+    """One evaluation or prediction batch on the split step's shards; on the
+    plain model (this process's default device) before any training step,
+    or for a batch the split refuses (told once)."""
+    state = self._tfsplit
+    try:
+      step, flat = self._step_for(kind_name, data)
+    except TfsplitError as e:
+      if kind_name not in state.plain:
+        logging.warning("tfsplit.keras: %s runs on one device (%s)", kind_name, e)
+      step = None
+    if step is None:
+      self._use_model()
+      if kind_name not in state.plain:
+        method = self.test_step if kind_name == "test" else self.predict_step
+        state.plain[kind_name] = tf.function(method, reduce_retracing=True)
+      return state.plain[kind_name](tuple(t for t in data if t is not None))
+    self._use_shards(writing=False)
+    outputs = step(*flat)
+    if kind_name == "predict":
+      outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+      return tf.nest.pack_sequence_as(state.kinds["predict"].pred_structure, outputs)
+    return self._after_step("test", outputs, data)
+
+  def _after_step(self, kind_name, outputs, data):
+    """The loss and compiled metrics updated from a split step's outputs."""
+    state = self._tfsplit
+    kind = state.kinds[kind_name]
     # The step runs as its own function (with the Grappler settings the
     # split chose, runtime/graph_function.py), not inlined into the metrics'.
-    outputs = step(*flat)
     outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
-    y_pred = (tf.nest.pack_sequence_as(state.pred_structure, outputs[1:])
-              if state.fetch_predictions else None)
+    y_pred = (tf.nest.pack_sequence_as(kind.pred_structure, outputs[1:])
+              if kind.fetch_predictions else None)
     x, y, sample_weight = data
     if state.metrics_fn is None:
       state.metrics_fn = tf.function(self._update_metrics)
@@ -252,21 +345,8 @@ class SplitModelMixin(object):
       if self._tfsplit.step is not None:
         self._use_model()
 
-  def evaluate(self, *args, **kwargs):
-    self._use_model()
-    return super().evaluate(*args, **kwargs)
-
-  def predict(self, *args, **kwargs):
-    self._use_model()
-    return super().predict(*args, **kwargs)
-
-  def test_on_batch(self, *args, **kwargs):
-    self._use_model()
-    return super().test_on_batch(*args, **kwargs)
-
-  def predict_on_batch(self, *args, **kwargs):
-    self._use_model()
-    return super().predict_on_batch(*args, **kwargs)
+  # evaluate, predict, test_on_batch and predict_on_batch go through the
+  # test and predict functions above: split once a training step exists.
 
   def get_weights(self):
     self._use_model()
@@ -293,6 +373,13 @@ class SplitModelMixin(object):
     """Saves the wrapped (plain) model with the trained weights."""
     self._use_model()
     return self.model.save(*args, **kwargs)
+
+
+def _as_triple(data):
+  """A batch as (x, y, sample_weight), absent parts None."""
+  if not isinstance(data, tuple):
+    data = (data,)
+  return tuple(data) + (None,) * (3 - len(data))
 
 
 def named_variables(flavor, model):

@@ -82,9 +82,10 @@ def _on_device(var, device):
 
 
 def check_same_layout(manifest, variables):
-  """`variables` ({shard name: tf.Variable}, another split of the same
-  function) if `manifest` places every shard the same way; else PlanError
-  naming the first variable laid out otherwise."""
+  """The shard variables of `manifest` taken from `variables` ({shard name:
+  tf.Variable} of another split of the same model) when it places every
+  shard the same way; else PlanError naming the first variable laid out
+  otherwise."""
   from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
   for name, entry in manifest.items():
     for shard in entry["shards"]:
@@ -95,10 +96,8 @@ def check_same_layout(manifest, variables):
             f"variable '{name}' is split another way for this input shape than for the "
             "first one (shard '{}'); give every call the same input shapes".format(
                 shard["name"]))
-  if sum(len(e["shards"]) for e in manifest.values()) != len(variables):
-    raise PlanError("this input shape splits the step over other variables than the "
-                    "first one; give every call the same input shapes")
-  return variables
+  # A forward-only step (evaluation) reads a subset of a training step's.
+  return {s["name"]: variables[s["name"]] for e in manifest.values() for s in e["shards"]}
 
 
 def full_values_from_checkpoint(path, names):
