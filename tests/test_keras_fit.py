@@ -366,3 +366,18 @@ def test_dict_inputs_save_and_load_model(flavor, tmp_path):
   assert len(kinds["test"].steps) == 1
   for key, value in want_eval.items():
     assert compare.compare("output", key, got_eval[key], value).ok, (got_eval, want_eval)
+
+
+@pytest.mark.slow
+def test_plan_auto():
+  """plan="auto": the planner picks the mesh from the step traced at the
+  first batch; the history and every shard match plain fit, and the split
+  model reports the plan it trains with."""
+  name = "causallm_keras3"
+  want_hist, want, alt_hist, alt = _reference(name)
+  got_hist, _, start, split_model = _fit(
+      name, dict(plan="auto", devices=4, device_memory="1GB"))
+  _report(split_model, start, want, alt, got_hist, want_hist, alt_hist).assert_ok("plan=auto")
+  plan = split_model.split_step.plan
+  assert plan is not None and plan.split_options()["mesh"] == ",".join(
+      f"{k}={v}" for k, v in split_model.split_step.mesh.axes.items())

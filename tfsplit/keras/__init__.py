@@ -47,7 +47,10 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
     (gradients accumulated in the graph; with 'pp', the pipeline's).
   options: the other keyword arguments of tfsplit.split (schedule,
     layer_ranges, virtual_stages, recompute, zero, offload, bucket_bytes,
-    timeout_seconds, cluster, annotations).
+    timeout_seconds, cluster, annotations), and plan="auto" (with devices=
+    and device_memory=) or plan="plan.json" instead of mesh: the planner
+    chooses the mesh, micro-batches, schedule and memory passes from the
+    training step traced at the first batch.
 
   Compile the returned model (not `model`) and call fit / evaluate / predict
   on it; its save_weights and save write the wrapped model's full weights.
@@ -61,11 +64,13 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
     flavor = flavor_of(model)
   except TypeError as e:
     raise PlanError(str(e)) from None
-  if options.get("plan") not in (None,):
-    raise PlanError("plan= is not available yet; pass mesh= (and microbatches=)")
+  if options.get("plan") is not None:
+    # The plan picks the mesh and micro-batches from the traced step, so
+    # they are known after the first batch (model.py reads them then).
+    options = dict(options, mesh=None, microbatches=1, strategy=strategy)
+    return _split_model_class(flavor)(model, flavor, options, None)
   options.pop("plan", None)
-  cluster, cluster_mesh = cluster_lib.place(mesh, options.get("cluster"))
-  mesh_obj = cluster_mesh or make_mesh(mesh)
-  del cluster
+  _, cluster_mesh = cluster_lib.place(mesh, options.get("cluster"))
+  mesh_axes = dict((cluster_mesh or make_mesh(mesh)).axes)
   options = dict(options, mesh=mesh, microbatches=microbatches, strategy=strategy)
-  return _split_model_class(flavor)(model, flavor, options, dict(mesh_obj.axes))
+  return _split_model_class(flavor)(model, flavor, options, mesh_axes)

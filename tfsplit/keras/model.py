@@ -151,6 +151,12 @@ class SplitModelMixin(object):
       raise type(e)(self._in_keras_terms(str(e))) from None
     if state.step is None:
       state.step = step
+      if getattr(step, "plan", None) is not None:
+        # The plan chose the mesh and options: later splits (evaluation, a
+        # smaller last batch) take the same ones, and the batch checks too.
+        plan_options = dict(step.plan.split_options())
+        state.options = dict(state.options, plan=None, **plan_options)
+        state.mesh_axes = dict(step.mesh.axes)
       written = _written_variables(step.original_graph_def)
       state.host_scalars = {name: var for name, var in step.original_variables.items()
                             if name not in written and int(np.prod(var.shape)) <= 1}
@@ -203,6 +209,8 @@ class SplitModelMixin(object):
     state.names = [(v, name) for name, v in named]
 
   def _check_batch(self, x):
+    if self._tfsplit.mesh_axes is None:
+      return  # a plan decides the mesh: the split itself checks the batch
     dp = self._tfsplit.mesh_axes.get("dp", 1)
     m = int(self._tfsplit.options.get("microbatches", 1) or 1)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
