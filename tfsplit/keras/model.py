@@ -99,8 +99,8 @@ class SplitModelMixin(object):
       for name, var in state.host_scalars.items():
         value = var.numpy()
         if not np.array_equal(value, state.pushed_scalars.get(name)):
-          for shard in state.step.manifest[name]["shards"]:
-            state.step.variables[shard["name"]].assign(value)
+          state.step.assign_shards({shard["name"]: value
+                                    for shard in state.step.manifest[name]["shards"]})
           state.pushed_scalars[name] = value
     state.weights_at = SHARDS if writing or state.weights_at == SHARDS else BOTH
 

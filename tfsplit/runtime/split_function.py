@@ -130,10 +130,11 @@ class SplitFunction(object):
     shards, converting one of another mesh through full values; returns its
     step."""
     meta, saved = checkpoint_lib.load(directory)
-    self._assign_shards(checkpoint_lib.convert(meta, saved, self.manifest))
+    self.assign_shards(checkpoint_lib.convert(meta, saved, self.manifest))
     return meta["step"]
 
-  def _assign_shards(self, values):
+  def assign_shards(self, values):
+    """{shard name: value} into the shard variables (on a cluster, its tasks')."""
     if self._runner is not None:
       self._runner.assign(values)
     else:
@@ -166,7 +167,7 @@ class SplitFunction(object):
     """The inverse of assign_back: every shard from the current value of the
     original function's variable (after the user changed them)."""
     values = {name: var.numpy() for name, var in self.original_variables.items()}
-    self._assign_shards(shards_lib.shard_values(self.manifest, values))
+    self.assign_shards(shards_lib.shard_values(self.manifest, values))
 
 
 def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotations=None,
