@@ -16,6 +16,7 @@ COMMANDS = {
     "rewrite": ("tfsplit.commands.rewrite_cmd", "split a graph over a device mesh (writes graph + shard manifest)"),
     "verify": ("tfsplit.commands.verify_cmd", "run original and rewritten graphs on seeded inputs and compare"),
     "trace": ("tfsplit.commands.trace_cmd", "Chrome-trace JSON of one real step of a (rewritten) graph"),
+    "plan": ("tfsplit.commands.plan_cmd", "choose mesh, micro-batches, schedule, stage cut, recompute and ZeRO for N devices"),
     "estimate": ("tfsplit.commands.estimate_cmd", "memory from a parameter count; pipeline simulation; a graph's memory and step"),
     "calibrate": ("tfsplit.commands.calibrate_cmd", "measure op costs on this machine into a cost table"),
     "worker": ("tfsplit.commands.worker_cmd", "serve one task of a multi-worker cluster (TF gRPC server)"),

@@ -11,7 +11,7 @@ from absl import flags
 
 from tfsplit.commands import common
 
-USAGE = "tfsplit rewrite IN -o OUT --mesh tp=4 [--strategy megatron]"
+USAGE = "tfsplit rewrite IN -o OUT (--mesh tp=4 [--strategy megatron] | --plan plan.json)"
 ARGS = (1, 1)
 REQUIRED = ("output",)
 
@@ -75,16 +75,23 @@ def define_flags(fv):
   flags.DEFINE_integer("devices-per-task", None, "With --cluster: devices of each task "
                        "(default: the cluster's tfsplit.devices_per_task, else 1).",
                        lower_bound=1, flag_values=fv)
+  flags.DEFINE_string("plan", None, "A plan written by 'tfsplit plan': its mesh, "
+                      "micro-batches, schedule, stage layer ranges, recompute and zero "
+                      "replace those flags.", flag_values=fv)
   common.define_source(fv, "IN")
 
 
 def run(fv, args):
   from tfsplit.passes import rewrite  # pylint: disable=import-outside-toplevel
-  lines = rewrite.rewrite_file(args[0], **common.values(
+  options = common.values(
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",
       "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task",
-      "offload", "offload-device"),
-      across_tasks=tuple(fv["across-tasks"].value))
+      "offload", "offload-device")
+  if fv.plan:
+    from tfsplit.commands.plan_cmd import rewrite_options  # pylint: disable=import-outside-toplevel
+    options.update(rewrite_options(fv, args[0]))
+  lines = rewrite.rewrite_file(args[0], **options,
+                               across_tasks=tuple(fv["across-tasks"].value))
   sys.stdout.write("\n".join(lines) + "\n")
   return 0

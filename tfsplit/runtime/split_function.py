@@ -73,13 +73,15 @@ class SplitFunction(object):
                annotations=None, variable_names=None, timeout_seconds=None,
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
-               offload=None, offload_device=None, prepare=None, shared_variables=None):
+               offload=None, offload_device=None, prepare=None, plan=None, devices=None,
+               device_memory=None, hardware=None, shared_variables=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
-    self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
-    self.mesh = cluster_mesh or make_mesh(mesh)
-    if self.cluster is not None and timeout_seconds is None:
-      timeout_seconds = cluster_lib.DEFAULT_TIMEOUT_SECONDS
+    # With a plan the mesh is known only once the graph is (below).
+    self.plan = None
+    if plan is None:
+      self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
+      self.mesh = cluster_mesh or make_mesh(mesh)
     self._runner = None
     concrete = (fn.get_concrete_function(*input_signature) if input_signature
                 else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
@@ -88,6 +90,20 @@ class SplitFunction(object):
     if prepare is not None:  # a caller's GraphDef -> GraphDef edit before splitting
       self.original_graph_def = prepare(self.original_graph_def)
     self.original_variables = _captured_variables(concrete, self.original_graph_def)
+    if plan is not None:  # the plan's mesh and options replace the keywords
+      from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
+      self.plan = plan_lib.resolve(plan, self.original_graph_def, devices, device_memory,
+                                   hardware, available=None if cluster is not None
+                                   else len(available_devices()))
+      options = self.plan.split_options()
+      mesh = options.pop("mesh")
+      microbatches, schedule, layer_ranges, virtual_stages, recompute, zero = (
+          options[k] for k in ("microbatches", "schedule", "layer_ranges",
+                               "virtual_stages", "recompute", "zero"))
+      self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
+      self.mesh = cluster_mesh or make_mesh(mesh)
+    if self.cluster is not None and timeout_seconds is None:
+      timeout_seconds = cluster_lib.DEFAULT_TIMEOUT_SECONDS
     self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
                               annotations=annotations, timeout_seconds=timeout_seconds,
                               microbatches=microbatches, schedule=schedule,
@@ -174,7 +190,7 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
           variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
           layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
           recompute=None, zero=0, cluster=None, offload=None, offload_device=None,
-          prepare=None):
+          prepare=None, plan=None, devices=None, device_memory=None, hardware=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -204,8 +220,15 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
     mesh device is refused.
   prepare: a GraphDef -> GraphDef function applied to the traced graph
     before it is split (tfsplit.keras drops the Keras metric updates so).
+  plan: 'auto' chooses mesh, micro-batches, schedule, stage ranges,
+    recompute and zero with the planner (tfsplit.plan) for `devices`
+    (default: this process's) devices of `device_memory` each on `hardware`
+    (a preset name or cluster spec file, default cpu-host); a plan file
+    ('tfsplit plan -o plan.json') or a tfsplit.plan.Plan is applied as
+    given. The plan's choices replace those keywords; the chosen Plan is
+    the result's `plan`.
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
                        timeout_seconds, microbatches, schedule, layer_ranges,
                        virtual_stages, bucket_bytes, recompute, zero, cluster, offload,
-                       offload_device, prepare)
+                       offload_device, prepare, plan, devices, device_memory, hardware)

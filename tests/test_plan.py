@@ -1,0 +1,418 @@
+"""The planner: its search against exhaustive enumeration, plans that fit a
+memory cap and train exactly once applied, the plan file, and every bad input
+as one line with exit code 2."""
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+import tfsplit
+from tfsplit import plan as plan_lib
+from tfsplit.cli import run
+from tfsplit.cost import cluster as cluster_lib
+from tfsplit.errors import PlanError
+from tfsplit.graph import load_graph
+from tfsplit.pipeline import partition
+from tfsplit.plan import profile as profile_lib
+from tfsplit.plan import search as search_lib
+from tfsplit.plan import space
+from tfsplit.units import format_bytes
+
+from _util import check_training, example
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_PROFILES = {}
+
+
+def _graph(name):
+  return os.path.join(_ROOT, "examples", f"{name}_train_tiny.pb")
+
+
+def _profile(name, cluster, devices):
+  key = (name, cluster, devices)
+  if key not in _PROFILES:
+    _PROFILES[key] = plan_lib.profile_graph(load_graph(_graph(name)), devices, cluster)
+  return _PROFILES[key]
+
+
+def _plain_dp_memory(profile, cluster, devices):
+  costing = space.Costing(profile, plan_lib.cluster_for(cluster, devices))
+  return costing.evaluate(space.Candidate(devices, 1, 1), [(0, costing.n)]).memory
+
+
+def _cli(args, capsys):
+  code = run(["tfsplit"] + [str(a) for a in args])
+  captured = capsys.readouterr()
+  return code, captured.out, captured.err
+
+
+def _one_line_error(code, out, err, command, *needles):
+  assert code == 2 and out == "", (code, out, err)
+  lines = err.splitlines()
+  assert len(lines) == 1, err
+  assert lines[0].startswith(f"tfsplit {command}: error: "), lines[0]
+  for needle in needles:
+    assert needle in lines[0], (needle, lines[0])
+
+
+# --- the search against exhaustive enumeration ----------------------------------------
+def _synthetic(n=9, seed=3):
+  """A model with uneven layers, for cuts that matter."""
+  rng = random.Random(seed)
+  rows = [profile_lib.LayerRow(
+      name=f"layer_{i}", forward=rng.uniform(1e-4, 4e-4), backward=rng.uniform(2e-4, 8e-4),
+      update=rng.uniform(1e-6, 1e-5), params=rng.randint(1, 8) * 10**8,
+      slots=rng.randint(2, 16) * 10**8, activations=rng.randint(1, 6) * 10**9,
+      input_bytes=10**8, splittable=0 < i < n - 1) for i in range(n)]
+  return profile_lib.ModelProfile(rows, [rng.randint(1, 3) * 10**8 for _ in range(n - 1)],
+                                  batch=32)
+
+
+def _check_against_exhaustive(profile, cluster, devices, cap):
+  planner = search_lib.Planner(profile, cluster, devices, cap)
+  found = planner.search().best
+  best = planner.exhaustive()
+  assert (found is None) == (best is None), (found, best)
+  if best is None:
+    return None
+  assert found.memory <= cap
+  assert found.step_time <= 1.05 * best.step_time, (found.candidate.label(),
+                                                     best.candidate.label())
+  return found, best
+
+
+@pytest.mark.parametrize("name", ["gpt_raw", "gpt_keras3", "mlp_raw"])
+@pytest.mark.parametrize("preset", ["h100-80gb", "cpu-host"])
+def test_search_within_5_percent_of_exhaustive_on_examples(name, preset):
+  checked = 0
+  for devices in (2, 4, 8):
+    profile = _profile(name, preset, devices)
+    cluster = plan_lib.cluster_for(preset, devices)
+    unbounded = search_lib.Planner(profile, cluster, devices, None).search()
+    # No cap, a cap between the smallest plan and the fastest, and one that
+    # only the smallest plans meet.
+    caps = [10**15, (unbounded.smallest.memory + unbounded.best.memory) // 2,
+            int(unbounded.smallest.memory * 1.02)]
+    for cap in caps:
+      checked += _check_against_exhaustive(profile, cluster, devices, cap) is not None
+  assert checked == 9  # every cap above the smallest plan has a plan
+
+
+@pytest.mark.parametrize("devices", [4, 8])
+def test_search_within_5_percent_of_exhaustive_on_uneven_layers(devices):
+  profile = _synthetic()
+  cluster = cluster_lib.from_preset("h100-80gb", devices)
+  unbounded = search_lib.Planner(profile, cluster, devices, None).search()
+  for cap in (10**15, (unbounded.smallest.memory + unbounded.best.memory) // 2,
+              int(unbounded.smallest.memory * 1.05)):
+    found, best = _check_against_exhaustive(profile, cluster, devices, cap)
+    # The cut matters on uneven layers: the search is not just lucky.
+    assert found.candidate.pp > 1 or best.candidate.pp == 1
+
+
+def test_min_max_cut_agrees_with_the_stage_balancer():
+  rng = random.Random(5)
+  for _ in range(20):
+    n = rng.randint(3, 12)
+    costs = [rng.uniform(1, 10) for _ in range(n)]
+    cuts = [rng.uniform(0, 2) for _ in range(n - 1)]
+    stages = rng.randint(1, n)
+    matrix = search_lib._chunk_cost_matrix(np.array(costs), np.array(cuts), n)  # pylint: disable=protected-access
+    mine = search_lib.min_max_cut(matrix, stages)
+    theirs = partition.balanced_partition(costs, stages, cuts)
+    worst = lambda ranges: max(matrix[j, i] for j, i in ranges)  # pylint: disable=unnecessary-lambda-assignment
+    assert worst(mine) == pytest.approx(worst(theirs))
+
+
+def test_interleaved_and_gpipe_follow_the_pipeline_formulas():
+  # Equal layers, no communication: the analytic times are the simulator's
+  # uniform-stage bubbles.
+  rows = [profile_lib.LayerRow(f"l{i}", 1.0, 2.0, 0.0, 4, 8, 100, 0, False)
+          for i in range(8)]
+  profile = profile_lib.ModelProfile(rows, [0] * 7, batch=8)
+  costing = space.Costing(profile, cluster_lib.from_preset("h100-80gb", 4))
+  est = costing.evaluate(space.Candidate(1, 1, 4, 8, "1f1b"), space.even_ranges(8, 4))
+  per_stage = 2 * 3.0 / 8            # 2 layers, one micro-batch of 8
+  assert est.pipeline_time == pytest.approx((8 + 3) * per_stage)
+  assert est.bubble == pytest.approx(3 / 11)
+  inter = costing.evaluate(space.Candidate(1, 1, 4, 8, "interleaved", 2),
+                           space.even_ranges(8, 8))
+  assert inter.pipeline_time == pytest.approx((8 + 3 / 2) * per_stage)
+  gpipe = costing.evaluate(space.Candidate(1, 1, 4, 8, "gpipe"), space.even_ranges(8, 4))
+  # gpipe keeps all 8 micro-batches on every stage, 1f1b at most S - s.
+  act = 2 * 100 / 8
+  assert gpipe.stage_memory[3] - est.stage_memory[3] == pytest.approx(7 * act, abs=1)
+  assert est.stage_memory[0] - est.stage_memory[3] == pytest.approx(3 * act, abs=1)
+
+
+def test_zero_and_recompute_lower_memory_as_modelled():
+  profile = _profile("gpt_raw", "h100-80gb", 4)
+  costing = space.Costing(profile, plan_lib.cluster_for("h100-80gb", 4))
+  whole = [(0, costing.n)]
+  plain = costing.evaluate(space.Candidate(4, 1, 1), whole)
+  zero = costing.evaluate(space.Candidate(4, 1, 1, zero=1), whole)
+  rc = costing.evaluate(space.Candidate(4, 1, 1, recompute="blocks"), whole)
+  slots = sum(r.slots for r in profile.layers)
+  assert plain.memory - zero.memory == pytest.approx(slots * 3 / 4, abs=2)
+  assert rc.memory < plain.memory and rc.step_time > plain.step_time
+
+
+def test_bucket_size_is_the_rewrite_default():
+  from tfsplit.passes.config import DEFAULT_BUCKET_BYTES  # pylint: disable=import-outside-toplevel
+  assert space.DEFAULT_BUCKET_BYTES == DEFAULT_BUCKET_BYTES
+
+
+def test_large_synthetic_gpt_plans_fast():
+  profile = profile_lib.synthetic_gpt(blocks=96)
+  plan, result = plan_lib.plan_profile(profile, 64, "80GB", "h100-80gb")
+  assert result.seconds < 10  # 2 s on a quiet machine (tools/bench_planner.py)
+  assert result.best.memory <= 80e9
+  assert plan.devices == 64 and len(plan.layers) == 98
+  # A 175B model on 64 80 GB devices needs model parallelism.
+  assert result.best.candidate.tp * result.best.candidate.pp > 1
+
+
+# --- plans that fit, applied, train exactly ---------------------------------------------
+def _fitting_cap(name, fraction, devices=4, cluster="h100-80gb"):
+  """A cap at `fraction` of what plain data parallelism needs."""
+  return int(fraction * _plain_dp_memory(_profile(name, cluster, devices), cluster, devices))
+
+
+@pytest.mark.parametrize("name", ["gpt_raw", pytest.param("gpt_keras3", marks=pytest.mark.slow),
+                                  pytest.param("gpt_tfkeras", marks=pytest.mark.slow)])
+def test_split_plan_auto_fits_the_cap_and_trains_exactly(name):
+  # Half of plain data parallelism's memory: on the tiny GPTs, 2 pipeline
+  # stages over 2-way tensor parallelism, 2 micro-batches (and the first
+  # stage's block recomputed on the Keras models).
+  cap = _fitting_cap(name, 0.5)
+  step = check_training(example(name), plan="auto", devices=4, device_memory=cap,
+                        hardware="h100-80gb")
+  plan = step.plan
+  assert plan.predicted["per_device_memory"] <= cap
+  assert plan.mesh != "dp=4" or plan.zero or plan.recompute != "none"
+  assert plan.layer_ranges and plan.microbatches > 1  # a pipeline, as this cap needs
+  assert str(step.mesh) == plan.mesh
+  assert step.result.config.microbatches == plan.microbatches
+  assert step.result.config.zero == plan.zero
+
+
+def test_split_plan_auto_defaults_to_this_process_devices():
+  step = check_training(example("mlp_raw"), plan="auto")
+  assert step.plan.devices == 4 and step.mesh.size == 4
+  assert step.plan.cluster == "cpu-host x4"
+  assert step.plan.predicted["step_time"] > 0
+
+
+def test_plan_rewrite_verify_on_files(tmp_path, capsys):
+  # 55% of plain data parallelism's memory: on the tiny tf_keras GPT, 2 stages
+  # over 2 replicas with ZeRO, 2 micro-batches, and the first stage (which
+  # 1f1b gives the most micro-batches to keep) recomputing its block.
+  cap = _fitting_cap("gpt_tfkeras", 0.55)
+  graph = _graph("gpt_tfkeras")
+  plan_path, out = tmp_path / "plan.json", tmp_path / "out.pb"
+  code, text, err = _cli(["plan", graph, "--devices", 4, "--device-memory", cap,
+                          "--cluster", "h100-80gb", "-o", plan_path], capsys)
+  assert code == 0, err
+  plan = plan_lib.read(str(plan_path))
+  assert plan.devices == 4 and plan.predicted["per_device_memory"] <= cap
+  assert f"over the {format_bytes(cap)} cap" in text   # why plain dp lost
+  assert text.splitlines()[4].split()[1] == plan.mesh.split()[0]  # rank 1 is the plan
+  assert plan.recompute == ["gpt/block_0"] and plan.layer_ranges == [(0, 2), (2, 5)]
+  assert plan.zero == 1 and plan.microbatches == 2
+  code, text, err = _cli(["rewrite", graph, "--plan", plan_path, "-o", out], capsys)
+  assert code == 0, err
+  assert f"over mesh {plan.mesh}" in text
+  assert "recompute" in text and "gpt/block_0" in text
+  report = tfsplit.verify(graph, str(out), str(out)[:-3] + ".manifest.json", steps=3)
+  assert report.ok, report.table()
+
+
+def test_plan_simulates_the_rewritten_winner(tmp_path, capsys):
+  path = tmp_path / "plan.json"
+  code, text, err = _cli(["plan", _graph("mlp_raw"), "--devices", 2, "--cluster",
+                          "h100-80gb", "--simulate", 1, "-o", path], capsys)
+  assert code == 0, err
+  assert "whole-graph simulation of the rewritten candidates:" in text
+  predicted = plan_lib.read(str(path)).predicted
+  assert predicted["simulated_step_time"] > 0
+  # The layer-level memory model against the whole graph's simulated peak.
+  assert 0.5 < predicted["per_device_memory"] / predicted["simulated_memory"] < 2
+
+
+def test_plan_json_round_trip(tmp_path):
+  profile = _synthetic()
+  plan, result = plan_lib.plan_profile(profile, 8, "10GB", "h100-80gb")
+  path = tmp_path / "p.json"
+  plan.save(str(path))
+  again = plan_lib.read(str(path))
+  assert again.to_json() == json.loads(path.read_text())
+  assert again.split_options() == plan.split_options()
+  c = result.best.candidate
+  assert again.mesh == c.mesh and again.microbatches == c.microbatches
+  assert again.layer_ranges == (result.best.ranges if c.pp > 1 else None)
+
+
+# --- bad input: one line, exit code 2, no output -----------------------------------------
+def test_model_that_fits_nowhere_names_the_smallest_memory(tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  code, text, err = _cli(["plan", _graph("gpt_raw"), "--devices", 2, "--device-memory",
+                          "1KB", "--cluster", "h100-80gb", "-o", out], capsys)
+  _one_line_error(code, text, err, "plan", "fits under no plan on 2 devices with 1 KB each",
+                  "smallest per-device memory that works is")
+  assert not out.exists()
+  profile = _profile("gpt_raw", "h100-80gb", 2)
+  need = search_lib.Planner(profile, plan_lib.cluster_for("h100-80gb", 2), 2).search()
+  assert format_bytes(need.smallest.memory) in err
+  with pytest.raises(PlanError, match="fits under no plan"):
+    plan_lib.plan_profile(profile, 2, need.smallest.memory - 1, "h100-80gb")
+  plan_lib.plan_profile(profile, 2, need.smallest.memory, "h100-80gb")  # just fits
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--devices", 0], ["too few devices"]),
+    ([], ["missing --devices"]),
+    (["--devices", 4, "--cluster", "no-such-preset"], ["no-such-preset"]),
+    (["--devices", 4, "--device-memory", "lots"], ["cannot read size 'lots'"]),
+    (["--devices", 16], ["no mesh over 16 devices suits the model", "batch of 4"]),
+])
+def test_plan_flags_errors(args, needles, tmp_path, capsys):
+  out = tmp_path / "plan.json"
+  code, text, err = _cli(["plan", _graph("mlp_raw")] + args + ["-o", out], capsys)
+  _one_line_error(code, text, err, "plan", *needles)
+  assert not out.exists()
+
+
+def _write_plan(tmp_path, **changes):
+  plan, _ = plan_lib.plan_graph(load_graph(_graph("gpt_raw")), 4, cluster="h100-80gb")
+  obj = dict(plan.to_json(), **changes)
+  path = tmp_path / "plan.json"
+  path.write_text(json.dumps(obj) if changes.get("_raw") is None else changes["_raw"])
+  return path
+
+
+@pytest.mark.parametrize("changes,needles", [
+    ({"_raw": "{not json"}, ["cannot read plan", "JSON"]),
+    ({"format": "other"}, ["is not a tfsplit plan"]),
+    ({"devices": 8, "mesh": "dp=4"}, ["mesh dp=4 has 4 devices but the plan says devices=8"]),
+    ({"mesh": "pp=2,dp=2", "layer_ranges": [[0, 2], [3, 5]]}, ["must be contiguous"]),
+    ({"mesh": "pp=2,dp=2", "layer_ranges": None}, ["no 'layer_ranges'"]),
+    ({"microbatches": "4"}, ["field 'microbatches' must be an integer"]),
+    ({"mesh": "ep=4"}, ["has axis 'ep'; plans use pp, dp and tp"]),
+    ({"recompute": ["gpt/block_9"]}, ["lists 'gpt/block_9', not one of the plan's layers"]),
+    ({"recompute": "sometimes"}, ["field 'recompute' is 'sometimes'"]),
+    ({"version": 7}, ["version 7 is not supported"]),
+    ({"schedule": "zigzag"}, ["field 'schedule' is 'zigzag'"]),
+    ({"layers": ["gpt/embed", "gpt/block_0", "gpt/block_9", "gpt/ln_f", "gpt/head"]},
+     ["layer 'gpt/block_9' of the plan is not in"]),
+])
+def test_rewrite_refuses_a_bad_plan(changes, needles, tmp_path, capsys):
+  path = _write_plan(tmp_path, **changes)
+  out = tmp_path / "out.pb"
+  code, text, err = _cli(["rewrite", _graph("gpt_raw"), "--plan", path, "-o", out], capsys)
+  _one_line_error(code, text, err, "rewrite", *needles)
+  assert not out.exists()
+
+
+def test_rewrite_refuses_a_plan_of_another_graph_and_mixed_flags(tmp_path, capsys):
+  path = tmp_path / "mlp.json"
+  assert _cli(["plan", _graph("mlp_raw"), "--devices", 2, "-o", path], capsys)[0] == 0
+  out = tmp_path / "out.pb"
+  code, text, err = _cli(["rewrite", _graph("gpt_raw"), "--plan", path, "-o", out], capsys)
+  _one_line_error(code, text, err, "rewrite", "plan does not match", "layer 'mlp/layer_0'")
+  code, text, err = _cli(["rewrite", _graph("mlp_raw"), "--plan", path, "--mesh", "tp=2",
+                          "-o", out], capsys)
+  _one_line_error(code, text, err, "rewrite", "--plan sets --mesh")
+  code, text, err = _cli(["rewrite", _graph("mlp_raw"), "--plan", tmp_path / "none.json",
+                          "-o", out], capsys)
+  _one_line_error(code, text, err, "rewrite", "does not exist")
+  assert not out.exists()
+
+
+def test_split_refuses_a_plan_for_more_devices_than_there_are(tmp_path):
+  ex = example("gpt_raw")
+  plan, _ = plan_lib.plan_graph(load_graph(_graph("gpt_raw")), 8, cluster="h100-80gb")
+  with pytest.raises(PlanError, match="the plan is for 8 devices but 4 are available"):
+    plan_lib.resolve(plan, load_graph(_graph("gpt_raw")), available=4)
+  with pytest.raises(PlanError, match="too few devices: planning for 8 but 4"):
+    tfsplit.split(ex.train_step, plan="auto", devices=8, input_signature=ex.train_signature)
+  with pytest.raises(PlanError, match="plan is for 8 devices but devices=4"):
+    plan_lib.resolve(plan, load_graph(_graph("gpt_raw")), devices=4)
+
+
+def test_per_op_overhead_does_not_shrink_with_the_micro_batch():
+  rows = [profile_lib.LayerRow("l0", 4.0, 8.0, 0.0, 4, 8, 100, 0, False,
+                               forward_fixed=1.0, backward_fixed=2.0)]
+  costing = space.Costing(profile_lib.ModelProfile(rows, [], batch=8),
+                          cluster_lib.from_preset("h100-80gb", 1))
+  one = costing.evaluate(space.Candidate(1, 1, 1, 1), [(0, 1)])
+  four = costing.evaluate(space.Candidate(1, 1, 1, 4), [(0, 1)])
+  assert one.pipeline_time == pytest.approx(12 + 3)
+  assert four.pipeline_time == pytest.approx(4 * (12 / 4 + 3))
+
+
+def test_cluster_spec_with_too_few_devices_is_one_line(tmp_path, capsys):
+  spec = tmp_path / "two.json"
+  cluster_lib.from_preset("a100-40gb", 2).save(str(spec))
+  code, text, err = _cli(["plan", _graph("mlp_raw"), "--devices", 4, "--cluster", spec],
+                         capsys)
+  _one_line_error(code, text, err, "plan", "has 2 devices", "4")
+  spec.write_text('{"hosts": [], "devices": [{"name": "d0", "host": "nowhere"}]}')
+  code, text, err = _cli(["plan", _graph("mlp_raw"), "--devices", 1, "--cluster", spec],
+                         capsys)
+  _one_line_error(code, text, err, "plan", "device 'd0'")
+
+
+def test_calibration_table_overheads_enter_the_profile(tmp_path, capsys):
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+  table = tmp_path / "table.json"
+  op_cost.CostTable(op_overhead=1e-5, step_overhead=1e-3, flops=1e11,
+                    bandwidth=1e10).save(str(table))
+  graph_def = load_graph(_graph("mlp_raw"))
+  profile = plan_lib.profile_graph(graph_def, 2, "h100-80gb", str(table))
+  assert profile.step_overhead == 1e-3
+  assert all(r.forward_fixed > 0 and r.backward_fixed > 0 for r in profile.layers)
+  # Per-op overhead is paid per micro-batch: more micro-batches cost time.
+  costing = space.Costing(profile, plan_lib.cluster_for("h100-80gb", 2))
+  one, two = (costing.evaluate(space.Candidate(2, 1, 1, m), [(0, costing.n)])
+              for m in (1, 2))
+  fixed = sum(r.forward_fixed + r.backward_fixed for r in profile.layers)
+  assert two.pipeline_time - one.pipeline_time == pytest.approx(fixed, rel=1e-6)
+  assert one.step_time > 1e-3
+  code, text, err = _cli(["plan", _graph("mlp_raw"), "--devices", 2, "--cluster",
+                          "h100-80gb", "--calibration", table], capsys)
+  assert code == 0, err
+  assert " m=1 " in text.splitlines()[4]  # overheads make extra micro-batches cost
+
+
+def test_long_searches_show_progress(monkeypatch, capsys):
+  from tfsplit.commands import plan_cmd  # pylint: disable=import-outside-toplevel
+  clock = iter([0.0, 0.5, 2.0, 2.1, 3.0])
+  monkeypatch.setattr(plan_cmd.time, "perf_counter", lambda: next(clock))
+  report = plan_cmd._progress()  # pylint: disable=protected-access
+  for done in range(1, 5):  # at 0.5 s: quiet; 2.0 s: shown; 2.1 s: too soon; 3.0 s: done
+    report(done, 4)
+  assert capsys.readouterr().err.splitlines() == ["planning: 2/4 meshes",
+                                                  "planning: 4/4 meshes"]
+
+
+def test_tensor_parallel_sizes_divide_the_heads():
+  # Keras kernels are [hidden, heads, head size]: the 4 heads of the tiny GPT
+  # cap tp at 4, which `rewrite` would refuse above.
+  for name, most in (("gpt_keras3", 4), ("gpt_tfkeras", 4), ("gpt_raw", 32)):
+    profile = _profile(name, "h100-80gb", 8)
+    assert profile.max_tp == most
+    tps = {tp for _, tp, _ in space.meshes(8, profile)}
+    assert max(tps) == min(8, most)
+
+
+def test_plan_json_format_is_the_plan_file(tmp_path, capsys):
+  path = tmp_path / "plan.json"
+  code, text, err = _cli(["plan", _graph("mlp_raw"), "--devices", 2, "--format", "json",
+                          "-o", path], capsys)
+  assert code == 0, err
+  printed = json.loads(text)
+  assert printed.pop("search")["evaluated"] > 0
+  assert printed == json.loads(path.read_text())
+  assert printed["layers"] == ["mlp/layer_0", "mlp/layer_1", "mlp/layer_2"]

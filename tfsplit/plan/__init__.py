@@ -1,0 +1,139 @@
+"""The automatic planner: which mesh, micro-batches, schedule, stage cut,
+recomputation and optimizer-state sharding to split a training step with.
+
+    from tfsplit.plan import plan_graph
+    plan, result = plan_graph(graph_def, devices=8, device_memory="16GB",
+                              cluster="h100-80gb")
+    split_graph(graph_def, Mesh.parse(plan.mesh), **other options of
+                plan.split_options())
+
+profile.py turns the graph into one row per layer, space.py prices a
+candidate from those rows, search.py finds the fastest candidate that fits
+the per-device memory, plan.py reads and writes the chosen plan as JSON.
+The planner reads the cost model (tfsplit.cost) and the layer detection
+(tfsplit.graph.layers); the runtime and the commands read the planner.
+"""
+from tfsplit.errors import PlanError, TfsplitError
+from tfsplit.plan.plan import Plan, read
+from tfsplit.plan.search import Planner, SearchResult, no_plan_message
+
+AUTO = "auto"
+DEFAULT_CLUSTER = "cpu-host"
+
+
+def cluster_for(cluster, devices):
+  """The ClusterSpec of `devices` devices: a preset name (default cpu-host), a
+  spec JSON file (with at least that many devices) or a ClusterSpec."""
+  from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  if isinstance(cluster, cluster_lib.ClusterSpec):
+    if cluster.num_devices < devices:
+      raise PlanError(f"cluster '{cluster.name}' has {cluster.num_devices} devices, too few "
+                      f"for {devices}")
+    return cluster
+  return cluster_lib.for_graph(cluster or DEFAULT_CLUSTER, devices)
+
+
+def memory_cap(device_memory, cluster):
+  """Bytes per device: a size ('16GB', bytes) or a preset name; default: the
+  smallest device memory of `cluster`."""
+  if device_memory is None:
+    return min(d.memory_bytes for d in cluster.devices)
+  if isinstance(device_memory, (int, float)) and not isinstance(device_memory, bool):
+    if not device_memory > 0:
+      raise PlanError(f"device memory must be a positive number of bytes, got {device_memory}")
+    return int(device_memory)
+  from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  sizes = cluster_lib.device_memory_sizes(device_memory)
+  if len(sizes) != 1:
+    raise PlanError(f"give one device memory to plan for, got '{device_memory}'")
+  return sizes[0]
+
+
+def check_devices(devices):
+  if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+    raise PlanError(f"too few devices: planning needs at least 1, got {devices!r}")
+
+
+def plan_profile(profile, devices, device_memory=None, cluster=None, top=5,
+                 progress=None, max_tp=None, graph=None):
+  """(Plan, SearchResult) for a ModelProfile; PlanError if nothing fits."""
+  check_devices(devices)
+  spec = cluster_for(cluster, devices)
+  cap = memory_cap(device_memory, spec)
+  planner = Planner(profile, spec, devices, cap, max_tp=max_tp)
+  result = planner.search(top=top, progress=progress)
+  if result.best is None:
+    raise PlanError(no_plan_message(result, graph or profile.source or "the model"))
+  return Plan.from_estimate(result.best, profile, cluster=spec.name, device_memory=cap,
+                            graph=graph, runners_up=result.ranked[1:]), result
+
+
+def profile_graph(graph_def, devices, cluster=None, calibration=None, source=None):
+  """The ModelProfile of a training-step GraphDef on `cluster` (see plan_profile)."""
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+  from tfsplit.plan import profile as profile_lib  # pylint: disable=import-outside-toplevel
+  check_devices(devices)
+  spec = cluster_for(cluster, devices)
+  table = op_cost.CostTable.load(calibration) if calibration else None
+  return profile_lib.from_graph(graph_def, op_cost.CostModel(spec, table=table), source)
+
+
+def plan_graph(graph_def, devices, device_memory=None, cluster=None, calibration=None,
+               top=5, progress=None, max_tp=None, source=None):
+  """(Plan, SearchResult) of the fastest plan for a training-step GraphDef on
+  `devices` devices of `cluster` (preset or spec file; default cpu-host) with
+  `device_memory` each (default: the cluster's). calibration: a cost table
+  (`tfsplit calibrate`) whose measured op times override the roofline."""
+  check_devices(devices)
+  profile = profile_graph(graph_def, devices, cluster, calibration, source)
+  return plan_profile(profile, devices, device_memory, cluster, top, progress, max_tp,
+                      graph=source)
+
+
+def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
+            available=None, source="the graph"):
+  """The Plan to split `graph_def` with: plan='auto' searches one for
+  `devices` (default: `available`) devices of `cluster` (default: one host
+  of the cpu-host preset holding them all); a path or a JSON dict is read;
+  a Plan is taken as is. Checked against the graph's layers and against
+  the `available` devices (when given)."""
+  if isinstance(plan, str) and plan == AUTO:
+    devices = available if devices is None else devices
+    if devices is None:
+      raise PlanError("plan='auto' needs devices=N (how many devices to plan for)")
+    check_devices(devices)
+    if available is not None and devices > available:
+      raise PlanError(f"too few devices: planning for {devices} but {available} are "
+                      "available")
+    if cluster is None:  # this process's devices: one host of the default preset
+      from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+      cluster = cluster_lib.from_preset(DEFAULT_CLUSTER, devices, devices_per_host=devices)
+    found, _ = plan_graph(graph_def, devices, device_memory, cluster, source=None)
+    return found
+  from tfsplit.plan import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  if isinstance(plan, Plan):
+    found = plan
+  elif isinstance(plan, dict):
+    found = plan_lib.from_json(plan)
+  elif isinstance(plan, str):
+    found = read(plan)
+  else:
+    raise PlanError(f"plan must be 'auto', a plan file or a Plan, got {type(plan).__name__}")
+  if devices is not None and devices != found.devices:
+    raise PlanError(f"the plan is for {found.devices} devices but devices={devices}; make a "
+                    f"plan for {devices} devices")
+  if available is not None:
+    found.check_devices(available)
+  found.check_graph(model_layer_names(graph_def), source)
+  return found
+
+
+def model_layer_names(graph_def):
+  """Names of the graph's layers with parameters (what plans cut)."""
+  from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
+  return [l.name for l in Analysis(graph_def).layers.model_layers]
+
+
+__all__ = ["AUTO", "Plan", "PlanError", "Planner", "SearchResult", "TfsplitError",
+           "cluster_for", "memory_cap", "model_layer_names", "plan_graph", "plan_profile",
+           "profile_graph", "read", "resolve"]

@@ -1,0 +1,244 @@
+"""A plan: what the planner chose, as a record and as a readable JSON file.
+
+    {"format": "tfsplit-plan", "version": 1,
+     "devices": 8, "device_memory": 16000000000, "cluster": "h100-80gb x8",
+     "layers": ["gpt/embed", "gpt/block_0", ...],     # the graph's model layers
+     "mesh": "pp=2,dp=2,tp=2", "microbatches": 4, "schedule": "1f1b",
+     "virtual_stages": 1, "layer_ranges": [[0, 3], [3, 6]],
+     "recompute": "none", "zero": 0,      # or "blocks", or the blocks recomputed:
+                                          # ["gpt/block_0", ...] (name scopes)
+     "predicted": {"step_time": ..., "per_device_memory": ..., "bubble": ...},
+     "candidates": [...]}                               # the runners-up
+
+`layers` ties the plan to the graph it was made for: applying it to a graph
+whose layers differ is refused, naming the first difference, as is a plan
+for more devices than there are. Every malformed field is one line naming
+the file and the field.
+"""
+import dataclasses
+import json
+import math
+from typing import List, Optional, Tuple
+
+from tfsplit.errors import PlanError, TfsplitError
+from tfsplit.fileio import write_atomically
+from tfsplit.plan import space
+
+FORMAT = "tfsplit-plan"
+VERSION = 1
+
+
+@dataclasses.dataclass
+class Plan:
+  devices: int
+  layers: List[str]
+  mesh: str
+  microbatches: int = 1
+  schedule: str = "1f1b"
+  virtual_stages: int = 1
+  layer_ranges: Optional[List[Tuple[int, int]]] = None
+  recompute: object = "none"   # 'none', 'blocks', or the layers recomputed
+  zero: int = 0
+  device_memory: Optional[int] = None
+  cluster: Optional[str] = None
+  graph: Optional[str] = None
+  predicted: dict = dataclasses.field(default_factory=dict)
+  candidates: list = dataclasses.field(default_factory=list)
+
+  @classmethod
+  def from_estimate(cls, est, profile, cluster=None, device_memory=None, graph=None,
+                    runners_up=()):
+    c = est.candidate
+    return cls(devices=c.devices, layers=profile.names, mesh=c.mesh,
+               microbatches=c.microbatches, schedule=c.schedule,
+               virtual_stages=c.virtual_stages,
+               layer_ranges=[tuple(r) for r in est.ranges] if c.pp > 1 else None,
+               recompute=_recompute(est, profile), zero=c.zero, device_memory=device_memory,
+               cluster=cluster, graph=graph,
+               predicted={k: v for k, v in est.to_json().items()
+                          if k in _PREDICTED},
+               candidates=[e.to_json() for e in runners_up])
+
+  @property
+  def recompute_option(self):
+    """recompute= of split_graph: None, 'blocks' or a tuple of layer scopes."""
+    if isinstance(self.recompute, list):
+      return tuple(self.recompute)
+    return None if self.recompute == "none" else self.recompute
+
+  def split_options(self):
+    """Keyword arguments of tfsplit.passes.split_graph / tfsplit.split."""
+    return {"mesh": self.mesh, "microbatches": self.microbatches,
+            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+            "layer_ranges": [tuple(r) for r in self.layer_ranges]
+                            if self.layer_ranges else None,
+            "recompute": self.recompute_option, "zero": self.zero}
+
+  def to_json(self):
+    return {"format": FORMAT, "version": VERSION, "graph": self.graph,
+            "devices": self.devices, "device_memory": self.device_memory,
+            "cluster": self.cluster, "layers": list(self.layers), "mesh": self.mesh,
+            "microbatches": self.microbatches, "schedule": self.schedule,
+            "virtual_stages": self.virtual_stages,
+            "layer_ranges": [list(r) for r in self.layer_ranges]
+                            if self.layer_ranges else None,
+            "recompute": list(self.recompute) if isinstance(self.recompute, (list, tuple))
+                         else self.recompute, "zero": self.zero,
+            "predicted": self.predicted, "candidates": self.candidates}
+
+  def save(self, path):
+    write_atomically(path, json.dumps(self.to_json(), indent=2) + "\n")
+
+  def check_graph(self, layer_names, source="the graph"):
+    """Refuses a graph whose model layers are not the plan's."""
+    names = list(layer_names)
+    if names == list(self.layers):
+      return
+    unknown = [l for l in self.layers if l not in names]
+    missing = [l for l in names if l not in self.layers]
+    if unknown:
+      what = (f"layer '{unknown[0]}' of the plan is not in {source}"
+              + (f" ({len(unknown)} such layers)" if len(unknown) > 1 else ""))
+    elif missing:
+      what = (f"layer '{missing[0]}' of {source} is not in the plan"
+              + (f" ({len(missing)} such layers)" if len(missing) > 1 else ""))
+    else:
+      what = f"{source} orders its layers differently from the plan"
+    raise PlanError(f"plan does not match {source}: {what}; make the plan from this graph "
+                    "with 'tfsplit plan'")
+
+  def check_devices(self, available):
+    if self.devices > available:
+      raise PlanError(f"the plan is for {self.devices} devices but {available} are "
+                      f"available; make a plan for {available} devices or provide more")
+
+
+def _recompute(est, profile):
+  """'none', 'blocks', or (recompute='stages') the repeated blocks of the
+  stages that recompute, by layer name (name scopes for the recompute pass)."""
+  c = est.candidate
+  if c.recompute != "stages":
+    return c.recompute
+  names = [profile.layers[i].name for s, (j, k) in enumerate(est.ranges)
+           if est.recomputed[s] for i in range(j, k) if profile.layers[i].splittable]
+  return names or "none"
+
+
+_PREDICTED = ("step_time", "pipeline_time", "sync_time", "update_time", "bubble",
+              "per_device_memory", "stage_memory", "stage_time")
+
+
+def _field(obj, key, source, kind, default=dataclasses.MISSING):
+  if key not in obj or obj[key] is None:
+    if default is not dataclasses.MISSING:
+      return default
+    raise PlanError(f"plan '{source}': missing field '{key}'")
+  value = obj[key]
+  ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+  if not ok:
+    raise PlanError(f"plan '{source}': field '{key}' must be {_KIND_NAMES.get(kind, kind)}, "
+                    f"got {json.dumps(value)[:60]}")
+  return value
+
+
+_KIND_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "an object",
+               (str, list): "a string or a list"}
+
+
+def from_json(obj, source="plan"):
+  """A Plan from its JSON form, every field checked (PlanError on the first bad one)."""
+  if not isinstance(obj, dict) or obj.get("format") != FORMAT:
+    raise PlanError(f"plan '{source}' is not a tfsplit plan (no \"format\": \"{FORMAT}\"); "
+                    "write one with 'tfsplit plan GRAPH -o plan.json'")
+  if obj.get("version") != VERSION:
+    raise PlanError(f"plan '{source}': version {obj.get('version')!r} is not supported "
+                    f"(this tfsplit reads version {VERSION})")
+  devices = _field(obj, "devices", source, int)
+  layers = _field(obj, "layers", source, list)
+  if not layers or not all(isinstance(l, str) for l in layers):
+    raise PlanError(f"plan '{source}': field 'layers' must be a non-empty list of layer names")
+  try:
+    from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+    mesh = Mesh.parse(_field(obj, "mesh", source, str))
+  except TfsplitError as e:
+    raise PlanError(f"plan '{source}': field 'mesh': {e}") from None
+  unknown = [a for a in mesh.axes if a not in ("pp", "dp", "tp")]
+  if unknown:
+    raise PlanError(f"plan '{source}': mesh {mesh} has axis '{unknown[0]}'; plans use pp, "
+                    "dp and tp")
+  if mesh.size != devices:
+    raise PlanError(f"plan '{source}': mesh {mesh} has {mesh.size} devices but the plan says "
+                    f"devices={devices}")
+  m = _field(obj, "microbatches", source, int, 1)
+  v = _field(obj, "virtual_stages", source, int, 1)
+  schedule = _field(obj, "schedule", source, str, "1f1b")
+  recompute = _field(obj, "recompute", source, (str, list), "none")
+  if isinstance(recompute, list):
+    stray = [r for r in recompute if r not in layers]
+    if not recompute or stray:
+      raise PlanError(f"plan '{source}': field 'recompute' lists "
+                      + (f"'{stray[0]}', not one of the plan's layers" if stray else
+                         "no layers") + "; give 'none', 'blocks' or layers of 'layers'")
+  zero = _field(obj, "zero", source, int, 0)
+  for key, value, allowed in (("schedule", schedule, space.SCHEDULES),
+                              ("recompute", recompute if isinstance(recompute, str)
+                               else "blocks", ("none", "blocks")),
+                              ("zero", zero, (0, 1, 2))):
+    if value not in allowed:
+      raise PlanError(f"plan '{source}': field '{key}' is {value!r}; use one of "
+                      f"{', '.join(str(a) for a in allowed)}")
+  if m < 1 or v < 1:
+    raise PlanError(f"plan '{source}': microbatches and virtual_stages must be >= 1, got "
+                    f"{m} and {v}")
+  ranges = _ranges(obj.get("layer_ranges"), len(layers), mesh.axes.get("pp", 1) * v, source)
+  memory = obj.get("device_memory")
+  if memory is not None and (isinstance(memory, bool) or not isinstance(memory, (int, float))
+                             or not memory > 0 or not math.isfinite(memory)):
+    raise PlanError(f"plan '{source}': field 'device_memory' must be a number of bytes, "
+                    f"got {memory!r}")
+  return Plan(devices=devices, layers=layers, mesh=str(mesh), microbatches=m,
+              schedule=schedule, virtual_stages=v, layer_ranges=ranges,
+              recompute=recompute, zero=zero, device_memory=memory,
+              cluster=obj.get("cluster"), graph=obj.get("graph"),
+              predicted=obj.get("predicted") or {}, candidates=obj.get("candidates") or [])
+
+
+def _ranges(value, n, chunks, source):
+  """Checked layer ranges: `chunks` contiguous [start, end) covering 0..n."""
+  if value is None:
+    if chunks > 1:
+      raise PlanError(f"plan '{source}': the mesh has a pipeline but no 'layer_ranges'")
+    return None
+  if not isinstance(value, list) or not all(
+      isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) and
+                                                  not isinstance(x, bool) for x in r)
+      for r in value):
+    raise PlanError(f"plan '{source}': field 'layer_ranges' must be a list of [start, end] "
+                    "integer pairs")
+  if len(value) != chunks:
+    raise PlanError(f"plan '{source}': {len(value)} layer ranges for {chunks} pipeline "
+                    "chunks (stages x virtual stages)")
+  edge = 0
+  for start, end in value:
+    if start != edge or end <= start:
+      raise PlanError(f"plan '{source}': layer ranges {value} must be contiguous, non-empty "
+                      f"and start at 0 (at [{start}, {end}])")
+    edge = end
+  if edge != n:
+    raise PlanError(f"plan '{source}': layer ranges end at {edge} but the plan has {n} "
+                    "layers")
+  return [tuple(r) for r in value]
+
+
+def read(path):
+  """The Plan in JSON file `path`."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      obj = json.load(f)
+  except FileNotFoundError:
+    raise PlanError(f"plan '{path}' does not exist; write one with 'tfsplit plan GRAPH "
+                    "-o plan.json'") from None
+  except (OSError, ValueError) as e:
+    raise PlanError(f"cannot read plan '{path}': {str(e).splitlines()[0]}; it must be "
+                    "a JSON file written by 'tfsplit plan'") from None
+  return from_json(obj, source=str(path))

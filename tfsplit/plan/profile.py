@@ -1,0 +1,247 @@
+"""What the planner knows of a model: one row per layer with parameters.
+
+Searching over GraphDef operators explodes; searching over layers is
+tractable. A ModelProfile holds, per model layer (the layers with parameters
+of tfsplit.graph.layers, the units a pipeline cuts), at the graph's global
+batch on one device of the cluster:
+
+  forward / backward   seconds of its ops (tfsplit.cost.layer_cost: layers
+                       without parameters, such as the loss, join the layer
+                       before them), split between forward and backward by
+                       the layer's FLOPs; the per-op overhead of a calibrated
+                       cost model is kept apart (forward_fixed /
+                       backward_fixed): it does not shrink with the batch
+  update               seconds of its optimizer update ops
+  params / slots       bytes of its weights and of their optimizer state
+  activations          bytes its backward pass reads (kept, or recomputed)
+  input_bytes          bytes of the forward tensors entering it (what a
+                       recomputed block keeps, and what each tensor-parallel
+                       all-reduce of a block moves)
+  splittable           a repeated block: the megatron preset splits it over
+                       'tp' (2 all-reduces forward, 2 backward); the other
+                       layers (embedding, head) stay replicated
+
+and, per cut between layers k and k + 1, the bytes of forward activations
+crossing it. Everything but the per-op overhead scales linearly with the
+batch, so a candidate's micro-batch only rescales the row. `from_graph` measures a GraphDef;
+`synthetic_gpt` builds the same table from a GPT's sizes (benchmarks of
+models too large to trace here).
+"""
+import dataclasses
+import math
+from typing import List, Optional
+
+from tfsplit.errors import PlanError
+
+
+@dataclasses.dataclass
+class LayerRow:
+  name: str
+  forward: float            # seconds at the global batch, one device
+  backward: float
+  update: float
+  params: int               # bytes
+  slots: int                # bytes
+  activations: int          # bytes at the global batch
+  input_bytes: int          # bytes at the global batch
+  splittable: bool
+  max_tp: int = 1 << 30     # tensor-parallel sizes above this cannot split it
+  # Seconds of per-op overhead inside forward / backward: paid per op run,
+  # whatever the micro-batch size (a calibrated cost model's op_overhead).
+  forward_fixed: float = 0.0
+  backward_fixed: float = 0.0
+
+
+@dataclasses.dataclass
+class ModelProfile:
+  layers: List[LayerRow]
+  cuts: List[int]           # bytes crossing the cut after layer k, k < n - 1
+  batch: int                # global batch (dimension 0 of the inputs)
+  other_update: float = 0.0  # seconds of update ops shared by all layers
+  static_bytes: int = 0     # inputs and constants, on every device
+  step_overhead: float = 0.0  # seconds every step costs before its first op
+  source: Optional[str] = None
+
+  def __post_init__(self):
+    if not self.layers:
+      raise PlanError(f"{self.source or 'the model'} has no layers with parameters: "
+                      "nothing to plan; give a training step that updates weights")
+    if len(self.cuts) != len(self.layers) - 1:
+      raise PlanError(f"model profile: {len(self.cuts)} cuts for {len(self.layers)} "
+                      "layers; expected one cut between each pair of layers")
+
+  @property
+  def names(self):
+    return [l.name for l in self.layers]
+
+  @property
+  def has_blocks(self):
+    return any(l.splittable for l in self.layers)
+
+  @property
+  def max_tp(self):
+    """Largest tensor-parallel size every splittable layer divides by."""
+    return min([l.max_tp for l in self.layers if l.splittable] or [1])
+
+  def summary(self):
+    return {"layers": len(self.layers), "blocks": sum(l.splittable for l in self.layers),
+            "batch": self.batch,
+            "params_bytes": sum(l.params for l in self.layers),
+            "slot_bytes": sum(l.slots for l in self.layers),
+            "compute_seconds": sum(l.forward + l.backward for l in self.layers)}
+
+
+def _dims_gcd(shapes):
+  """The gcd of every dimension of the weights of rank 2 or more: the
+  megatron preset splits one of them (output features, input features, or
+  the heads of a [hidden, heads, head size] kernel), and tensor-parallel
+  sizes must divide it."""
+  g = 0
+  for shape in shapes:
+    if shape and len(shape) >= 2 and all(d for d in shape):
+      for d in shape:
+        g = math.gcd(g, d)
+  return g or 1
+
+
+def _max_tp(dims_gcd):
+  """Largest power of two dividing `dims_gcd` (tp sizes the planner tries)."""
+  return dims_gcd & -dims_gcd
+
+
+def global_batch(graph, shapes):
+  """Dimension 0 shared by every input: the batch data parallelism splits."""
+  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
+  batch = 0
+  for name in graph_inputs(graph):
+    info = shapes[name][0] if name in shapes else None
+    if info is None or not info.shape or info.shape[0] is None:
+      raise PlanError(f"input '{name}' has no static batch dimension; planning splits the "
+                      "batch, so trace the step with a fixed batch size "
+                      "(tf.TensorSpec([BATCH, ...]))")
+    batch = math.gcd(batch, int(info.shape[0]))
+  if not batch:
+    raise PlanError("the graph has no inputs: planning splits the batch; give a training "
+                    "step that takes its batch as input")
+  return batch
+
+
+def from_analysis(analysis, cost_model, source=None):
+  """The ModelProfile of a training step (an Analysis of its GraphDef) with
+  times from `cost_model` (a tfsplit.cost.op_cost.CostModel) on device 0."""
+  from tfsplit.cost import layer_cost  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+  graph, shapes, report = analysis.graph, analysis.shapes, analysis.layers
+  model = report.model_layers
+  if not model:
+    raise PlanError(f"{source or 'the graph'} has no layers with parameters: nothing to "
+                    "plan; give a training step that updates weights")
+  seconds = layer_cost.layer_seconds(graph, shapes, report, cost_model)
+  cuts = layer_cost.boundary_bytes(graph, shapes, report)
+  # Layers without parameters (the loss) run with the model layer before them:
+  # their saved activations live there too.
+  owner = layer_cost._owner_index(report)  # pylint: disable=protected-access
+  acts = [0] * len(model)
+  for layer in report.layers:
+    if layer.name in owner:
+      acts[owner[layer.name]] += layer.activation_bytes
+
+  def update_seconds(names):
+    total = 0.0
+    for name in names:
+      node = graph.node(name)
+      cost = op_cost.node_cost(node, shapes, graph)
+      if not cost.comm:  # a signature only matters to a table's measured entries
+        total += cost_model.compute_time(cost, 0, op_cost.signature(node, shapes)
+                                         if cost_model.table is not None else None)
+    return total
+
+  # The repeated blocks have the same ops and parameter shapes: price one
+  # block's update for all (the update is most of a training graph's ops).
+  block_update = {}
+
+  def layer_update(layer):
+    if not layer.block:
+      return update_seconds(layer.update)
+    key = (len(layer.update), layer.param_bytes, layer.slot_bytes)
+    if key not in block_update:
+      block_update[key] = update_seconds(layer.update)
+    return block_update[key]
+
+  # Ops run per micro-batch: each pays the cost model's per-op overhead.
+  ops = [[0, 0] for _ in model]
+  for layer in report.layers:
+    if layer.name in owner:
+      ops[owner[layer.name]][0] += len(layer.forward)
+      ops[owner[layer.name]][1] += len(layer.backward)
+  overhead = cost_model.op_overhead
+  var_shape = {v.node: v.shape for v in analysis.variables}
+  rows = []
+  for k, layer in enumerate(model):
+    flops = layer.forward_flops + layer.backward_flops
+    fshare = layer.forward_flops / flops if flops else 1 / 3
+    fixed_f, fixed_b = ops[k][0] * overhead, ops[k][1] * overhead
+    work = max(0.0, seconds[k] - fixed_f - fixed_b)
+    rows.append(LayerRow(
+        name=layer.name, forward=work * fshare, backward=work * (1 - fshare),
+        forward_fixed=fixed_f, backward_fixed=fixed_b,
+        update=layer_update(layer), params=layer.param_bytes,
+        slots=layer.slot_bytes, activations=acts[k],
+        input_bytes=cuts[k - 1] if k > 0 else 0, splittable=layer.block,
+        max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables))))
+  shared = [l for l in report.layers if not l.variables]
+  other = update_seconds([n for l in shared for n in l.update])
+  # Constants and inputs sit on every device (the memory estimator's static
+  # part without the variables, which the rows hold).
+  from tfsplit.memory import graph_memory  # pylint: disable=import-outside-toplevel
+  whole = graph_memory.static_memory(graph, shapes, [], {}, ["all"])[0]
+  return ModelProfile(rows, cuts, global_batch(graph, shapes), other_update=other,
+                      static_bytes=whole.constants + whole.inputs,
+                      step_overhead=cost_model.table.step_overhead
+                      if cost_model.table is not None else 0.0, source=source)
+
+
+def from_graph(graph_def, cost_model, source=None):
+  """from_analysis of a GraphDef."""
+  from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
+  return from_analysis(Analysis(graph_def), cost_model, source)
+
+
+def synthetic_gpt(blocks=96, hidden=12288, seq_len=2048, batch=1536, vocab=51200,
+                  heads=96, peak_flops=989.4e12, memory_bandwidth=3.35e12,
+                  efficiency=0.5, dtype_bytes=2, optimizer_bytes=12):
+  """The profile of a GPT training step from its sizes (GPT-3 175B at the
+  defaults), on a device of `peak_flops` at `efficiency`.
+
+  Per block: 24 s b h^2 (1 + s / 6h) forward FLOPs (Narayanan et al. 2021),
+  backward twice that; 12 h^2 parameters; activations s b h (34 + 5 a s / h)
+  bytes (Korthikanti et al. 2022). Mixed precision: 16-bit weights and
+  gradients, `optimizer_bytes` per parameter of fp32 master copy and Adam
+  moments. The update reads and writes 16 + optimizer_bytes bytes per
+  parameter at `memory_bandwidth`.
+  """
+  rate = peak_flops * efficiency
+
+  def row(name, params, fwd_flops, acts, inp, splittable):
+    p = params * dtype_bytes
+    return LayerRow(name=name, forward=fwd_flops / rate, backward=2 * fwd_flops / rate,
+                    update=params * (2 * dtype_bytes + optimizer_bytes + 4) /
+                    memory_bandwidth,
+                    params=p, slots=params * optimizer_bytes, activations=acts,
+                    input_bytes=inp, splittable=splittable,
+                    max_tp=_max_tp(math.gcd(heads, hidden)) if splittable else 1 << 30)
+
+  sbh = seq_len * batch * hidden
+  stream = sbh * dtype_bytes
+  block_flops = 24 * sbh * hidden * (1 + seq_len / (6 * hidden))
+  block_acts = sbh * 34 + 5 * heads * seq_len * seq_len * batch
+  rows = [row("embed", vocab * hidden + seq_len * hidden, 0, 0, 0, False)]
+  rows[0] = dataclasses.replace(rows[0], forward=stream / memory_bandwidth,
+                                backward=2 * stream / memory_bandwidth)
+  rows += [row(f"block_{i}", 12 * hidden * hidden, block_flops, block_acts, stream, True)
+           for i in range(blocks)]
+  head_flops = 2 * seq_len * batch * hidden * vocab
+  rows.append(row("head", hidden * vocab, head_flops,
+                  seq_len * batch * (hidden + 2 * vocab) * dtype_bytes, stream, False))
+  return ModelProfile(rows, [stream] * (len(rows) - 1), batch,
+                      source=f"synthetic GPT ({blocks} blocks, hidden {hidden})")

@@ -1,0 +1,97 @@
+"""A search result as text: the best candidates, and why the winner won.
+
+The reasons compare the winner with what a user would try instead: plain
+data parallelism over every device, the runner-up (naming the part of the
+step where the winner saves the most), and the fastest candidate overall
+when it does not fit the memory cap.
+"""
+from tfsplit.plan import space
+from tfsplit.report import format_table
+from tfsplit.units import format_bytes
+
+
+def format_time(seconds):
+  """Seconds as a short time with its unit: 12.9 us, 3.4 ms, 1.2 s."""
+  for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+    if seconds >= scale:
+      return f"{seconds / scale:.4g} {unit}"
+  return f"{seconds * 1e6:.4g} us"
+
+
+def _pct(a, b):
+  return f"{100 * (a / b - 1):.1f}%" if b else "n/a"
+
+
+_PARTS = (("pipeline_time", "compute and pipeline bubble"),
+          ("sync_time", "gradient all-reduce over dp"),
+          ("update_time", "optimizer update"))
+
+
+def reasons(result, costing):
+  """Lines saying why result.best won."""
+  best = result.best
+  c = best.candidate
+  out = []
+  n = result.devices
+  profile = costing.profile
+  if c.dp != n or c.microbatches != 1 or c.zero or c.recompute != "none":
+    if profile.batch % n:
+      out.append(f"plain data parallelism (dp={n}) cannot split the batch of "
+                 f"{profile.batch} over {n} devices")
+    else:
+      plain = costing.evaluate(space.Candidate(n, 1, 1), [(0, costing.n)])
+      if not space.fits(plain, result.device_memory):
+        out.append(f"plain data parallelism (dp={n}) needs {format_bytes(plain.memory)} "
+                   f"per device, over the {format_bytes(result.device_memory)} cap")
+      else:
+        out.append(f"plain data parallelism (dp={n}) fits but takes "
+                   f"{format_time(plain.step_time)} ({_pct(plain.step_time, best.step_time)} "
+                   "slower)")
+  fastest = result.fastest
+  if fastest is not None and fastest.step_time < best.step_time:
+    out.append(f"the fastest candidate, {fastest.label()} "
+               f"({format_time(fastest.step_time)}), needs {format_bytes(fastest.memory)} per "
+               f"device, over the cap")
+  if len(result.ranked) > 1:
+    second = result.ranked[1]
+    key, what = max(_PARTS, key=lambda p: getattr(second, p[0]) - getattr(best, p[0]))
+    saved = getattr(second, key) - getattr(best, key)
+    if saved > 0:
+      out.append(f"beats the runner-up, {second.label()}, by "
+                 f"{_pct(second.step_time, best.step_time)}: {format_time(saved)} less "
+                 f"{what}")
+    elif best.memory <= second.memory:
+      out.append(f"ties the runner-up, {second.label()}, on time and needs "
+                 f"{format_bytes(second.memory - best.memory)} less memory per device")
+    else:
+      out.append(f"ties the runner-up, {second.label()}, on time with fewer "
+                 "micro-batches (each costs per-op overhead on a real machine), for "
+                 f"{format_bytes(best.memory - second.memory)} more memory per device")
+  if c.pp > 1:
+    stages = ", ".join(f"[{a}, {b})" for a, b in best.ranges)
+    out.append(f"stage cut over the {costing.n} layers: {stages}; slowest stage "
+               f"{format_time(max(best.stage_time))} per micro-batch, bubble "
+               f"{100 * best.bubble:.1f}%")
+  return out
+
+
+def lines(result, costing, what="the model", cluster="", top=5):
+  """The table of the best candidates and the reasons, as text lines."""
+  p = costing.profile.summary()
+  cap = (f", {format_bytes(result.device_memory)} each" if result.device_memory
+         else "")
+  out = [f"planned {what} for {result.devices} devices of {cluster}{cap}: "
+         f"{result.evaluated} candidates priced in {result.seconds:.2f} s",
+         f"  model: {p['layers']} layers with parameters ({p['blocks']} repeated "
+         f"blocks), batch {p['batch']}, {format_bytes(p['params_bytes'])} of weights, "
+         f"{format_bytes(p['slot_bytes'])} of optimizer state"]
+  rows = [[str(k + 1), e.label(), format_time(e.step_time), format_bytes(e.memory),
+           f"{100 * e.bubble:.1f}%", format_time(e.pipeline_time), format_time(e.sync_time),
+           format_time(e.update_time)]
+          for k, e in enumerate(result.ranked[:top])]
+  out += format_table(["rank", "plan", "step time", "memory/device", "bubble",
+                       "compute", "dp sync", "update"], rows, "<<" + ">" * 6,
+                      indent="  ").split("\n")
+  out.append("why the winner won:")
+  out += [f"  - {r}" for r in reasons(result, costing)]
+  return out

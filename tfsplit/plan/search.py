@@ -1,0 +1,359 @@
+"""Search over the candidates of space.py for the fastest plan that fits.
+
+For each mesh, micro-batch count, schedule and recomputation choice, the
+stage cut comes from a dynamic program over contiguous layer ranges (as
+PipeDream and Alpa cut stages): the S x v chunks that minimise the slowest
+chunk, each chunk's cost its layers' forward + backward time plus the
+activations crossing its cuts. When that cut does not fit the memory cap,
+the program runs again with the cap as a constraint on each stage (the
+activations a stage keeps depend on its position in the schedule), which
+finds the fastest cut that fits, if any. With recompute='stages' each
+stage of the program picks, per layer range, recomputation of its blocks
+only when the range does not fit without it. Every candidate is then priced
+by Costing.evaluate and the fastest that fits wins.
+
+The program is vectorised over the layer ranges (numpy), and its cut is
+shared by the candidates that differ only in ZeRO and schedule; branch and
+bound skips a candidate whose lower bounds (m micro-batches of the average
+stage; the average stage's memory) cannot rank or fit. Planning a 96-block
+model for 1024 devices so takes seconds, not a simulation per candidate.
+`exhaustive` tries every cut instead (tests hold the search to it), and
+`hand_rule` is the common manual plan the benchmarks compare with.
+"""
+import bisect
+import dataclasses
+import itertools
+import time
+from typing import List, Optional
+
+import numpy as np
+
+from tfsplit.errors import PlanError
+from tfsplit.plan import space
+from tfsplit.units import format_bytes
+
+
+@dataclasses.dataclass
+class SearchResult:
+  best: Optional[space.Estimate]     # fastest that fits; None if none fits
+  ranked: List[space.Estimate]       # fitting candidates, fastest first (top k)
+  smallest: Optional[space.Estimate]  # the candidate needing the least memory
+  fastest: Optional[space.Estimate]   # the fastest candidate, fitting or not
+  evaluated: int
+  seconds: float
+  devices: int
+  device_memory: Optional[int]
+  costing: Optional[space.Costing] = None   # what priced them (for reports)
+
+
+def _chunk_cost_matrix(fb, cut_t, n):
+  """C[j, i]: seconds of a chunk running layers [j, i), inf where i <= j."""
+  prefix = np.concatenate([[0.0], np.cumsum(fb)])
+  cin = np.concatenate([[0.0], cut_t, [0.0]])    # by cut index 0..n
+  cost = prefix[None, :] - prefix[:, None] + cin[:, None] + cin[None, :]
+  cost[np.tril_indices(n + 1)] = np.inf
+  return cost
+
+
+def _range_sums(values, n):
+  prefix = np.concatenate([[0.0], np.cumsum(values)])
+  return prefix[None, :] - prefix[:, None]
+
+
+def _threshold(cap, static, kept, again):
+  """Per range: the most micro-batches in flight that fit `cap`."""
+  room = cap - static - again
+  out = np.full(room.shape, np.inf)
+  np.divide(room, kept, out=out, where=kept > 0)
+  out[room < 0] = -1.0
+  return out
+
+
+def _range_max(values, n):
+  out = np.zeros((n + 1, n + 1))
+  for j in range(n):
+    out[j, j + 1:] = np.maximum.accumulate(values[j:])
+  return out
+
+
+def min_max_cut(cost, chunks, feasible=None):
+  """[(start, end)] of `chunks` contiguous ranges over cost's n layers that
+  minimise the largest cost[start, end]; cost may be a list, one matrix per
+  chunk; feasible[k] (optional): a boolean matrix of the ranges chunk k may
+  take. None when no cut is feasible."""
+  n = (cost[0] if isinstance(cost, list) else cost).shape[0] - 1
+  if chunks > n:
+    return None
+  best = np.full(n + 1, np.inf)
+  best[0] = 0.0
+  back = []
+  for k in range(chunks):
+    c = cost[k] if isinstance(cost, list) else cost
+    if feasible is not None:
+      c = np.where(feasible[k], c, np.inf)
+    total = np.maximum(best[:, None], c)
+    arg = np.argmin(total, axis=0)
+    best = total[arg, np.arange(n + 1)]
+    back.append(arg)
+  if not np.isfinite(best[n]):
+    return None
+  ranges, i = [], n
+  for k in reversed(range(chunks)):
+    j = int(back[k][i])
+    ranges.append((j, i))
+    i = j
+  return list(reversed(ranges))
+
+
+class Planner(object):
+  """Search state for one model on one cluster."""
+
+  def __init__(self, profile, cluster, devices, device_memory=None, max_tp=None,
+               max_microbatches=None, host_size=None, bucket_bytes=None):
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+      raise PlanError(f"the number of devices must be a positive integer, got {devices!r}")
+    if cluster.num_devices < devices:
+      raise PlanError(f"cluster '{cluster.name}' has {cluster.num_devices} devices, too few "
+                      f"for {devices}; give a cluster spec with at least {devices}")
+    self.profile = profile
+    self.cluster = cluster
+    self.devices = devices
+    self.device_memory = device_memory
+    self.max_tp = max_tp
+    self.max_microbatches = max_microbatches
+    self.host_size = host_size if host_size is not None else _host_size(cluster)
+    self.costing = space.Costing(profile, cluster, bucket_bytes, device_memory)
+    self._cuts = {}
+    self._again = {}
+    self._work = {}
+    self.evaluated = 0
+    self.pruned = 0
+
+  def meshes(self):
+    return space.meshes(self.devices, self.profile, self.max_tp, self.host_size)
+
+  def _cost(self, c):
+    f, b = self.costing.layer_times(c)
+    return _chunk_cost_matrix(f + b, self.costing.cut_times(c), self.costing.n)
+
+  def cut(self, c):
+    """The fastest cut of candidate c, ignoring memory (shared by candidates
+    that differ only in schedule order and ZeRO)."""
+    if c.chunks == 1:
+      return [(0, self.costing.n)]
+    # The cut depends on the micro-batch size, not on how it is reached.
+    key = (c.dp * c.microbatches, c.tp, c.pp, c.recompute, c.virtual_stages,
+           self.costing.pipeline_link(c))
+    if key not in self._cuts:
+      self._cuts[key] = min_max_cut(self._cost(c), c.chunks)
+    return self._cuts[key]
+
+  def _memory_matrices(self, c, recompute):
+    """Per range [j, i): (static bytes, kept bytes per micro-batch in flight,
+    bytes of one recomputation)."""
+    n = self.costing.n
+    static, kept, again = self.costing.memory_terms(c, recompute)
+    key = (c.dp * c.microbatches, c.tp, recompute)
+    if key not in self._again:
+      self._again[key] = _range_max(again, n) if again.any() else 0.0
+    return (_range_sums(static, n) + self.profile.static_bytes, _range_sums(kept, n),
+            self._again[key])
+
+  def cut_stages(self, c):
+    """recompute='stages': the fastest cut when each stage recomputes its
+    blocks only if it does not fit without (each stage's cost and memory
+    follow its choice), or None."""
+    n = self.costing.n
+    cut_t = self.costing.cut_times(c)
+    counts = self.costing.in_flight(c)
+    options = []
+    for rc in ("none", "blocks"):
+      f, b = self.costing.layer_times(c, rc)
+      options.append((_chunk_cost_matrix(f + b, cut_t, n),) + self._memory_matrices(c, rc))
+    # A range fits a stage keeping `count` micro-batches while count <= its
+    # threshold (room left by the static bytes over the bytes per micro-batch).
+    (c_none, *none), (c_blk, *blocks) = options
+    t_none, t_blk = (_threshold(self.device_memory, *terms) for terms in (none, blocks))
+    per_stage = {}
+    for count in set(counts):
+      per_stage[count] = np.where(count <= t_none, c_none,
+                                  np.where(count <= t_blk, c_blk, np.inf))
+    return min_max_cut([per_stage[count] for count in counts], c.pp)
+
+  def cut_under_cap(self, c):
+    """The fastest cut of c whose every stage fits the memory cap (stages of
+    one chunk only), or None."""
+    counts = self.costing.in_flight(c)
+    # Some stage holds at least the average: skip the program when even that
+    # is over the cap.
+    if self.memory_bound(c) > self.device_memory:
+      return None
+    s_static, s_kept, s_again = self._memory_matrices(c, c.recompute)
+    feasible = [s_static + counts[k] * s_kept + s_again <= self.device_memory
+                for k in range(c.pp)]
+    return min_max_cut(self._cost(c), c.pp, feasible)
+
+  def lower_bound(self, c):
+    """Seconds c takes at least: m micro-batches of its average stage."""
+    key = (c.dp * c.microbatches, c.tp, c.recompute)
+    if key not in self._work:
+      f, b = self.costing.layer_times(c)
+      self._work[key] = float(f.sum() + b.sum())
+    return c.microbatches * self._work[key] / c.pp
+
+  def memory_bound(self, c):
+    """Bytes some device of c holds at least: the average stage's."""
+    static, kept, _ = self.costing.memory_terms(c)
+    counts = self.costing.in_flight(c)
+    return ((static.sum() + min(counts) * kept.sum() / c.virtual_stages) / c.pp +
+            self.profile.static_bytes)
+
+  def evaluate(self, c):
+    """The Estimate of c: its fastest cut, or the fastest that fits."""
+    if c.recompute == "stages":  # the choice per stage is made under the cap
+      if self.device_memory is None or self.memory_bound(c) > self.device_memory:
+        return None
+      ranges = self.cut_stages(c)
+      if ranges is None:
+        return None
+      self.evaluated += 1
+      return self.costing.evaluate(c, ranges)
+    ranges = self.cut(c)
+    if ranges is None:
+      return None
+    est = self.costing.evaluate(c, ranges)
+    self.evaluated += 1
+    if not space.fits(est, self.device_memory) and c.pp > 1 and c.virtual_stages == 1:
+      ranges = self.cut_under_cap(c)
+      if ranges is not None:
+        est = self.costing.evaluate(c, ranges)
+        self.evaluated += 1
+    return est
+
+  def search(self, top=5, progress=None):
+    """SearchResult of every candidate, the `top` fastest that fit."""
+    t0 = time.perf_counter()
+    meshes = self.meshes()
+    if not meshes:
+      raise PlanError(f"no mesh over {self.devices} devices suits the model: the batch of "
+                      f"{self.profile.batch} does not divide over the data-parallel sizes "
+                      f"and the {len(self.profile.layers)} layers cannot fill the pipeline; "
+                      "use fewer devices or a larger batch")
+    fitting, smallest, fastest = [], None, None
+    kept = []  # step times of the fastest fitting candidates so far (3 x top)
+    fit = {}   # (candidate without recompute, recompute) -> whether it fits
+    for done, mesh in enumerate(meshes):
+      for c in space.candidates_of(mesh, self.profile, self.max_microbatches):
+        if c.recompute == "stages":
+          # Recomputing some stages fits only where recomputing every block
+          # does (with the best cut under the cap).
+          base = dataclasses.replace(c, recompute="none")
+          if fit.get((base, "blocks")) is False:
+            self.pruned += 1
+            continue
+        # Branch and bound: the pipeline takes at least m micro-batches of the
+        # average stage, so a candidate whose bound is slower than the
+        # 3 x top-th fitting one so far cannot rank.
+        if len(kept) >= 3 * top and self.lower_bound(c) > kept[-1]:
+          self.pruned += 1
+          continue
+        # Once a plan fits, one that cannot fit is of no use.
+        if fitting and self.device_memory is not None and \
+            self.memory_bound(c) > self.device_memory:
+          self.pruned += 1
+          continue
+        est = self.evaluate(c)
+        fit[(dataclasses.replace(c, recompute="none"), c.recompute)] = (
+            est is not None and space.fits(est, self.device_memory))
+        if est is None:
+          continue
+        if smallest is None or est.memory < smallest.memory:
+          smallest = est
+        if fastest is None or _rank(est) < _rank(fastest):
+          fastest = est
+        if space.fits(est, self.device_memory):
+          fitting.append(est)
+          bisect.insort(kept, est.step_time)
+          del kept[3 * top:]
+      if progress is not None:
+        progress(done + 1, len(meshes))
+    fitting.sort(key=_rank)
+    ranked = []
+    for est in fitting:  # a plan no faster and no smaller than one above adds nothing
+      if not any(_dominates(r, est) for r in ranked):
+        ranked.append(est)
+        if len(ranked) == top:
+          break
+    return SearchResult(best=ranked[0] if ranked else None, ranked=ranked,
+                        smallest=smallest, fastest=fastest, evaluated=self.evaluated,
+                        seconds=time.perf_counter() - t0, devices=self.devices,
+                        device_memory=self.device_memory, costing=self.costing)
+
+  def exhaustive(self):
+    """The fastest fitting Estimate over every candidate and every cut (tests
+    hold `search` to it; exponential in the layers)."""
+    best = None
+    n = self.costing.n
+    for mesh in self.meshes():
+      for c in space.candidates_of(mesh, self.profile, self.max_microbatches):
+        for bounds in itertools.combinations(range(1, n), c.chunks - 1):
+          edges = (0,) + bounds + (n,)
+          est = self.costing.evaluate(c, list(zip(edges, edges[1:])))
+          if space.fits(est, self.device_memory) and (best is None or
+                                                      _rank(est) < _rank(best)):
+            best = est
+    return best
+
+  def hand_rule(self):
+    """The usual manual plan: tensor parallel within a host, pipeline across
+    hosts (the fewest stages that fit, 1f1b, an even cut by layer count, at
+    least 4 micro-batches per stage, more if memory needs them), data
+    parallel for the rest; recomputation only if nothing fits without it.
+    None if nothing fits."""
+    tp = 1
+    while (tp * 2 <= min(self.host_size, self.profile.max_tp if self.profile.has_blocks
+                         else 1, self.max_tp or self.devices)
+           and self.devices % (tp * 2) == 0):
+      tp *= 2
+    n = self.costing.n
+    for rc in ("none", "blocks"):
+      for pp in space.divisors(self.devices // tp):
+        dp = self.devices // (tp * pp)
+        if pp > n or self.profile.batch % dp:
+          continue
+        counts = space.divisors(self.profile.batch // dp)
+        fewest = min(4 * pp, counts[-1]) if pp > 1 else 1
+        for m in [d for d in counts if d >= fewest]:
+          c = space.Candidate(dp, tp, pp, m, "1f1b", 1, rc, 0)
+          est = self.costing.evaluate(c, space.even_ranges(n, pp))
+          if space.fits(est, self.device_memory):
+            return est
+    return None
+
+
+def _rank(est):
+  """Fastest first; on a tie (9 digits), the fewer micro-batches, then the
+  smaller memory (without per-op overheads, micro-batches cost nothing in
+  the model, but they do on a machine)."""
+  return (float(f"{est.step_time:.9g}"), est.candidate.microbatches, est.memory)
+
+
+def _dominates(a, b):
+  return a.step_time <= b.step_time * (1 + 1e-9) and a.memory <= b.memory
+
+
+def _host_size(cluster):
+  """Devices of the largest host (tensor parallelism stays within one)."""
+  sizes = {}
+  for d in cluster.devices:
+    sizes[d.host] = sizes.get(d.host, 0) + 1
+  return max(sizes.values())
+
+
+def no_plan_message(result, what="the model"):
+  """The one-line error of a search where nothing fits."""
+  need = result.smallest
+  hint = (f"; the smallest per-device memory that works is {format_bytes(need.memory)} "
+          f"({need.label()}), or use more devices" if need is not None else "")
+  return (f"{what} fits under no plan on {result.devices} devices with "
+          f"{format_bytes(result.device_memory)} each{hint}")

@@ -1,0 +1,349 @@
+"""The planner's search space and its cost model at layer granularity.
+
+A Candidate is one way to run the step on N devices: a mesh dp x tp x pp
+(laid out pp-major, tp fastest: a tensor-parallel group is tp consecutive
+devices, inside one host when tp divides the host), m micro-batches, a
+pipeline schedule (gpipe, 1f1b, or interleaved over v model chunks per
+stage), recomputation of the repeated blocks, and optimizer-state sharding
+over dp. The stage cut (which layers each chunk runs) is chosen by the
+search (search.py); `Costing.evaluate` prices a candidate with its cut.
+
+Per micro-batch (1 / (dp m) of the global batch), layer i on its tp group:
+
+  forward   F_i = forward_i / tp_i + 2 all-reduces of its input (split layers)
+  backward  B_i = backward_i / tp_i + 2 all-reduces (+ F_i when recomputed)
+
+(forward_i scaled to the micro-batch, plus the per-op overhead, which is not)
+(tp_i = tp for a repeated block, the megatron preset's unit, else 1). A
+chunk's cost is its layers' F + B plus sending the activations crossing its
+cuts and their gradients back. With stage costs c_s the pipeline takes
+
+  S = 1         m c_0
+  gpipe, 1f1b   (m - 1) max c + sum c       ((m + S - 1) c on equal stages)
+  interleaved   m max c + (sum c - max c) / v     ((m + (S - 1) / v) c)
+
+(the bubbles of tfsplit.cost.pipeline_sim), then the gradient all-reduce
+over dp (reduce-scatter + all-gather with ZeRO: the same bytes), one per
+25 MiB bucket, the optimizer update (1/dp of it with ZeRO) and, with a
+calibration table, its per-step launch overhead.
+
+Per device of stage s: weights and gradients of its layers (1/tp of a
+split layer's), optimizer state (also 1/dp with ZeRO), and the activations
+of the micro-batches in flight, counted as the schedule keeps them
+(pipeline_sim.theoretical_peak_activations: m for gpipe, S - s for 1f1b,
+chunk activations for interleaved; 1 without a pipeline); a recomputed
+block keeps only its input, plus one block's activations while it is
+recomputed. recompute='stages' recomputes the blocks of the stages that
+would not fit otherwise, and only theirs.
+"""
+import dataclasses
+import math
+from typing import List, Optional, Tuple
+
+import numpy as np
+
+from tfsplit.cost import collectives
+from tfsplit.cost.pipeline_sim import theoretical_peak_activations
+
+# 'stages': the blocks of the pipeline stages that would not fit without it
+# (1f1b keeps S - s micro-batches on stage s: the first stages need it most).
+RECOMPUTE = ("none", "blocks", "stages")
+SCHEDULES = ("1f1b", "gpipe", "interleaved")
+VIRTUAL_STAGES = (2, 4)
+# passes.config.DEFAULT_BUCKET_BYTES (a test keeps them equal): importing the
+# passes would import TensorFlow, which planning from sizes alone does not need.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+  dp: int
+  tp: int
+  pp: int
+  microbatches: int = 1
+  schedule: str = "1f1b"
+  virtual_stages: int = 1
+  recompute: str = "none"    # a value of RECOMPUTE
+  zero: int = 0
+
+  @property
+  def devices(self):
+    return self.dp * self.tp * self.pp
+
+  @property
+  def chunks(self):
+    return self.pp * self.virtual_stages
+
+  @property
+  def mesh(self):
+    """'pp=2,dp=2,tp=2' with the axes of size 1 left out ('dp=1' if all are)."""
+    axes = [f"{a}={n}" for a, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
+            if n > 1]
+    return ",".join(axes) or "dp=1"
+
+  def label(self):
+    parts = [self.mesh, f"m={self.microbatches}"]
+    if self.pp > 1:
+      parts.append(self.schedule + (f" v={self.virtual_stages}"
+                                    if self.virtual_stages > 1 else ""))
+    if self.recompute != "none":
+      parts.append(f"recompute={self.recompute}")
+    if self.zero:
+      parts.append(f"zero={self.zero}")
+    return " ".join(parts)
+
+
+@dataclasses.dataclass
+class Estimate:
+  """A priced candidate with its cut."""
+  candidate: Candidate
+  ranges: List[Tuple[int, int]]   # per model chunk: [start, end) over the layers
+  step_time: float
+  pipeline_time: float
+  sync_time: float
+  update_time: float
+  bubble: float
+  stage_memory: List[int]
+  stage_time: List[float]         # seconds of one micro-batch per stage
+  recomputed: Optional[List[bool]] = None   # recompute='stages': per stage
+
+  @property
+  def memory(self):
+    return max(self.stage_memory)
+
+  def label(self):
+    """The candidate's label, naming the stages recompute='stages' recomputes."""
+    text = self.candidate.label()
+    if self.recomputed is not None:
+      which = ",".join(str(s) for s, r in enumerate(self.recomputed) if r) or "none"
+      text = text.replace("recompute=stages", f"recompute=stages:{which}")
+    return text
+
+  def to_json(self):
+    c = self.candidate
+    return {"mesh": c.mesh, "dp": c.dp, "tp": c.tp, "pp": c.pp,
+            "microbatches": c.microbatches, "schedule": c.schedule,
+            "virtual_stages": c.virtual_stages, "recompute": c.recompute, "zero": c.zero,
+            "layer_ranges": [list(r) for r in self.ranges],
+            "step_time": self.step_time, "pipeline_time": self.pipeline_time,
+            "sync_time": self.sync_time, "update_time": self.update_time,
+            "bubble": self.bubble, "per_device_memory": self.memory,
+            "stage_memory": list(self.stage_memory),
+            "stage_time": list(self.stage_time),
+            "recomputed_stages": [s for s, r in enumerate(self.recomputed or []) if r]}
+
+
+def divisors(n):
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def meshes(devices, profile, max_tp=None, host_size=None):
+  """(dp, tp, pp) over `devices`: tp a power of two the blocks divide by (and
+  within a host), pp at most the layers, dp dividing the batch."""
+  n = len(profile.layers)
+  limit = min(profile.max_tp if profile.has_blocks else 1, max_tp or devices,
+              host_size or devices)
+  out = []
+  for tp in divisors(devices):
+    if tp > limit or tp & (tp - 1):
+      continue
+    for pp in divisors(devices // tp):
+      dp = devices // (tp * pp)
+      if pp <= n and profile.batch % dp == 0:
+        out.append((dp, tp, pp))
+  return out
+
+
+def candidates_of(mesh, profile, max_microbatches=None):
+  """Every Candidate on one mesh (dp, tp, pp)."""
+  dp, tp, pp = mesh
+  n = len(profile.layers)
+  rcs = (RECOMPUTE if pp > 1 else RECOMPUTE[:2]) if profile.has_blocks else ("none",)
+  zeros = (0, 1) if dp > 1 else (0,)
+  for m in divisors(profile.batch // dp):
+    if max_microbatches and m > max_microbatches:
+      break
+    scheds = [("1f1b", 1)]
+    if pp > 1:
+      scheds.append(("gpipe", 1))
+      scheds += [("interleaved", v) for v in VIRTUAL_STAGES
+                 if m % pp == 0 and pp * v <= n]
+    for rc in rcs:
+      for schedule, v in scheds:
+        if rc == "stages" and v > 1:  # a chunk per stage only
+          continue
+        for zero in zeros:
+          yield Candidate(dp, tp, pp, m, schedule, v, rc, zero)
+
+
+class Costing(object):
+  """Prices candidates of one model on one cluster (see the module doc)."""
+
+  def __init__(self, profile, cluster, bucket_bytes=DEFAULT_BUCKET_BYTES,
+               device_memory=None):
+    self.profile = profile
+    self.cluster = cluster
+    self.device_memory = device_memory   # what recompute='stages' must fit
+    self.bucket_bytes = bucket_bytes or DEFAULT_BUCKET_BYTES
+    rows = profile.layers
+    self.n = len(rows)
+    col = lambda key: np.array([float(getattr(r, key)) for r in rows])  # pylint: disable=unnecessary-lambda-assignment
+    self.fwd, self.bwd, self.upd = col("forward"), col("backward"), col("update")
+    self.fwd_fixed, self.bwd_fixed = col("forward_fixed"), col("backward_fixed")
+    self.params, self.slots = col("params"), col("slots")
+    self.acts, self.inp = col("activations"), col("input_bytes")
+    self.split = np.array([r.splittable for r in rows])
+    self.cuts = np.array([float(c) for c in profile.cuts])
+    self._links = {}
+
+  # --- links (pp-major layout, tp fastest) ---------------------------------------
+  def _link(self, kind, c):
+    key = (kind, c.dp, c.tp, c.pp)
+    if key not in self._links:
+      if kind == "tp":
+        self._links[key] = self.cluster.group_link(range(c.tp))
+      elif kind == "dp":
+        self._links[key] = self.cluster.group_link(range(0, c.dp * c.tp, c.tp))
+      else:  # one pipeline hop
+        self._links[key] = self.cluster.link(0, c.dp * c.tp) if c.pp > 1 else None
+    return self._links[key]
+
+  def pipeline_link(self, c):
+    """The link one pipeline hop crosses (None without a pipeline)."""
+    return self._link("pp", c)
+
+  def layer_times(self, c, recompute=None):
+    """(F, B) per layer for one micro-batch of candidate c (numpy arrays);
+    recompute: 'none' or 'blocks' instead of c's ('stages' prices as none)."""
+    frac = 1.0 / (c.dp * c.microbatches)
+    tpdiv = np.where(self.split, c.tp, 1)
+    f = self.fwd * frac / tpdiv + self.fwd_fixed
+    b = self.bwd * frac / tpdiv + self.bwd_fixed
+    if c.tp > 1:
+      link = self._link("tp", c)
+      n = c.tp
+      ar = (2 * (n - 1) * link.latency +
+            2 * (n - 1) / n * self.inp * frac / link.bandwidth)
+      f = f + np.where(self.split, 2 * ar, 0.0)
+      b = b + np.where(self.split, 2 * ar, 0.0)
+    if (recompute or c.recompute) == "blocks":
+      b = b + np.where(self.split, f, 0.0)
+    return f, b
+
+  def cut_times(self, c):
+    """Seconds per cut: the activations crossing it and their gradients."""
+    link = self._link("pp", c)
+    if link is None or not len(self.cuts):
+      return np.zeros(len(self.cuts))
+    frac = 1.0 / (c.dp * c.microbatches)
+    # Nothing crossing a cut sends nothing (as the stage balancer prices it).
+    return np.where(self.cuts > 0, 2 * (link.latency + self.cuts * frac / link.bandwidth),
+                    0.0)
+
+  def memory_terms(self, c, recompute=None):
+    """Per layer: (static bytes, activation bytes per micro-batch in flight,
+    bytes of one recomputation) for candidate c; recompute: 'none' or
+    'blocks' instead of c's ('stages' counts as blocks: the least it can keep)."""
+    frac = 1.0 / (c.dp * c.microbatches)
+    tpdiv = np.where(self.split, c.tp, 1)
+    weights = self.params / tpdiv
+    slots = self.slots / tpdiv / (c.dp if c.zero else 1)
+    static = 2 * weights + slots   # weights + their gradients + optimizer state
+    full = self.acts * frac / tpdiv
+    if (recompute or c.recompute) in ("blocks", "stages"):
+      kept = np.where(self.split, self.inp * frac, full)
+      again = np.where(self.split, full, 0.0)
+    else:
+      kept, again = full, np.zeros(self.n)
+    return static, kept, again
+
+  def in_flight(self, c):
+    """Live micro-batch activations per stage (chunk activations for interleaved)."""
+    if c.pp == 1:
+      return [1]
+    return theoretical_peak_activations(c.schedule, c.pp, c.microbatches,
+                                        c.virtual_stages)
+
+  def stage_recompute(self, c, ranges):
+    """recompute='stages': per stage, whether it recomputes its blocks: only
+    where its memory without would be over the cap."""
+    if self.device_memory is None:
+      return [False] * c.pp
+    static, kept, again = self.memory_terms(c, "none")
+    counts = self.in_flight(c)
+    return [float(static[j:i].sum() + counts[s] * kept[j:i].sum() + again[j:i].max()) +
+            self.profile.static_bytes > self.device_memory
+            for s, (j, i) in enumerate(ranges)]
+
+  def evaluate(self, c, ranges):
+    """The Estimate of candidate c cut into `ranges` (one per model chunk:
+    contiguous, non-empty, covering every layer)."""
+    S, v, m = c.pp, c.virtual_stages, c.microbatches
+    starts = np.array([j for j, _ in ranges])
+    ends = np.array([i for _, i in ranges])
+    chunk_stage = np.arange(len(ranges)) % S
+
+    def per_chunk(values, reduce=np.add):
+      return reduce.reduceat(values, starts)
+
+    def per_stage(values):
+      return np.bincount(chunk_stage, weights=values, minlength=S)
+
+    recomputed = None
+    if c.recompute == "stages":
+      recomputed = self.stage_recompute(c, ranges)
+      pick = np.array(recomputed)[chunk_stage]
+      # (F + B, static, kept, recomputation) per layer, without and with
+      # recomputation; each chunk takes its stage's choice.
+      none, blocks = ([sum(self.layer_times(c, rc)), *self.memory_terms(c, rc)]
+                      for rc in ("none", "blocks"))
+      reducers = (np.add, np.add, np.add, np.maximum)
+      fb, static, kept, again = (np.where(pick, per_chunk(b, r), per_chunk(a, r))
+                                 for a, b, r in zip(none, blocks, reducers))
+    else:
+      f, b = self.layer_times(c)
+      static, kept, again = self.memory_terms(c)
+      fb, static, kept = per_chunk(f + b), per_chunk(static), per_chunk(kept)
+      again = per_chunk(again, np.maximum)
+    cin = np.concatenate([[0.0], self.cut_times(c), [0.0]])  # by cut index 0..n
+    stage_cost = per_stage(fb + cin[starts] + cin[ends])
+    tpdiv = np.where(self.split, c.tp, 1)
+    stage_grads = per_stage(per_chunk(self.params / tpdiv))
+    stage_update = per_stage(per_chunk(self.upd / tpdiv))
+    stage_again = np.zeros(S)
+    np.maximum.at(stage_again, chunk_stage, again)
+    top, total = float(stage_cost.max()), float(stage_cost.sum())
+    if S == 1:
+      pipe = m * total
+    elif v == 1:
+      pipe = (m - 1) * top + total
+    else:
+      pipe = m * top + (total - top) / v
+    bubble = 1.0 - m * total / (S * pipe) if S > 1 and pipe > 0 else 0.0
+    sync = 0.0
+    if c.dp > 1:
+      link = self._link("dp", c)
+      for g in stage_grads:
+        buckets = max(1, math.ceil(g / self.bucket_bytes))
+        sync = max(sync, collectives.ring_all_reduce(c.dp, g, link) +
+                   2 * (c.dp - 1) * link.latency * (buckets - 1))
+    update = float(stage_update.max()) / (c.dp if c.zero else 1) + self.profile.other_update
+    counts = np.array(self.in_flight(c))
+    memory = (per_stage(static) + counts * per_stage(kept) / v + stage_again +
+              self.profile.static_bytes)
+    return Estimate(candidate=c, ranges=[tuple(r) for r in ranges],
+                    step_time=pipe + sync + update + self.profile.step_overhead,
+                    pipeline_time=pipe, sync_time=sync,
+                    update_time=update, bubble=bubble,
+                    stage_memory=[int(x) for x in memory],
+                    stage_time=[float(x) for x in stage_cost], recomputed=recomputed)
+
+
+def even_ranges(n, chunks):
+  """[start, end) ranges cutting n layers into `chunks` of near-equal count."""
+  bounds = [round(k * n / chunks) for k in range(chunks + 1)]
+  return list(zip(bounds, bounds[1:]))
+
+
+def fits(estimate, device_memory: Optional[int]):
+  return device_memory is None or estimate.memory <= device_memory

@@ -1,0 +1,204 @@
+"""Benchmark: how fast the planner plans, and how its plans compare with the
+common hand rule.
+
+1. Planning time of a 96-block GPT (GPT-3 175B sizes: hidden 12288, 96
+   heads, sequence 2048, global batch 1536) for 64 and 1024 H100-80GB
+   devices (targets: under 2 s and under 10 s), best of --repeats. The
+   model is the layer table of tfsplit.plan.profile.synthetic_gpt: the
+   search never looks below layers, so it is the search's time.
+   --graph-blocks B also traces a B-block GPT training graph of the example
+   zoo (raw TF, hidden 64), and times profiling it (layer detection, shapes,
+   per-layer costs) and the search.
+2. On model x cluster cases, the planner's predicted step time against the
+   hand rule's under the same cost model (tensor parallel within a host,
+   pipeline across hosts with the fewest stages that fit, 1f1b, even cut,
+   at least 4 micro-batches per stage, data parallel for the rest,
+   recomputation only when nothing fits without it): hand / planner > 1
+   means the planner's plan is faster.
+
+3. With --measure MODELS (e.g. gpt_raw:small,mlp_raw:small): on --devices
+   logical CPUs of this process, the planner's best --top plans for each
+   example model (and plain data parallelism), each run with tfsplit.split
+   and timed (warm-up, then rounds of steps taking turns), against their
+   predicted step time. Costs come from a calibration table of the
+   micro-benchmark alone (`tfsplit calibrate` without the graph: calibrating
+   from the graph being predicted would flatter the prediction); the
+   cluster is the cpu-host preset with every device in one host.
+
+    python tools/bench_planner.py [--repeats 3] [--graph-blocks 96]
+    python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small
+"""
+import time
+
+from absl import app
+from absl import flags
+
+import benchlib  # sys.path: repo root (pylint: disable=unused-import)
+from tfsplit.cost import cluster as cluster_lib
+from tfsplit.plan import profile as profile_lib
+from tfsplit.plan.search import Planner
+from tfsplit.report import format_table
+from tfsplit.units import format_bytes
+
+FLAGS = flags.FLAGS
+flags.DEFINE_integer("repeats", 3, "Best of this many searches.")
+flags.DEFINE_integer("graph-blocks", 0, "Also plan a traced GPT graph of this many "
+                     "blocks (0: skip).")
+flags.DEFINE_list("measure", [], "Example models (name:size) to plan on logical CPUs "
+                  "and time against the prediction.")
+flags.DEFINE_integer("devices", 4, "With --measure: logical CPU devices.")
+flags.DEFINE_integer("top", 3, "With --measure: plans timed per model.")
+flags.DEFINE_integer("steps", 10, "With --measure: steps per round.")
+flags.DEFINE_integer("rounds", 3, "With --measure: rounds.")
+
+# (model, sizes for synthetic_gpt)
+MODELS = {
+    "GPT 1.3B": dict(blocks=24, hidden=2048, heads=16, seq_len=2048, batch=256),
+    "GPT 6.7B": dict(blocks=32, hidden=4096, heads=32, seq_len=2048, batch=512),
+    "GPT 13B": dict(blocks=40, hidden=5120, heads=40, seq_len=2048, batch=512),
+    "GPT 30B": dict(blocks=48, hidden=7168, heads=56, seq_len=2048, batch=1024),
+    "GPT 175B": dict(blocks=96, hidden=12288, heads=96, seq_len=2048, batch=1536),
+}
+# (model, preset, devices)
+CASES = [("GPT 1.3B", "a100-80gb", 8), ("GPT 6.7B", "v100-16gb", 16),
+         ("GPT 13B", "a100-40gb", 32), ("GPT 30B", "h200-141gb", 128),
+         ("GPT 175B", "h100-80gb", 64), ("GPT 175B", "a100-80gb", 512),
+         ("GPT 175B", "h100-80gb", 1024)]
+
+
+def model_on(name, preset):
+  """The synthetic profile of `name` at the float16 peak of `preset`'s device."""
+  device = cluster_lib.from_preset(preset, 1).device(0)
+  return profile_lib.synthetic_gpt(**MODELS[name], peak_flops=device.flops("float16"),
+                                   memory_bandwidth=device.memory_bandwidth)
+
+
+def plan(profile, preset, devices):
+  cluster = cluster_lib.from_preset(preset, devices)
+  planner = Planner(profile, cluster, devices, cluster.device(0).memory_bytes)
+  return planner, planner.search()
+
+
+def timing():
+  print("planning time, GPT 175B sizes (96 blocks, 98 layers), h100-80gb, 80 GB cap:")
+  profile = model_on("GPT 175B", "h100-80gb")
+  for devices, target in ((64, 2.0), (1024, 10.0)):
+    best = None
+    for _ in range(FLAGS.repeats):
+      t0 = time.perf_counter()
+      _, result = plan(profile, "h100-80gb", devices)
+      dt = time.perf_counter() - t0
+      best = dt if best is None else min(best, dt)
+    b = result.best
+    print(f"  {devices:5d} devices: {best:.2f} s (target < {target:g} s), "
+          f"{result.evaluated} candidates priced; best {b.label()}: step "
+          f"{b.step_time:.3g} s, {format_bytes(b.memory)}/device, bubble "
+          f"{100 * b.bubble:.1f}%")
+
+
+def traced_graph(blocks):
+  """Plans a traced `blocks`-block GPT training graph of the example zoo."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  from models import example, raw  # pylint: disable=import-outside-toplevel
+  from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  del models
+  cfg = dataclasses.replace(example.config_for("gpt", "small"), blocks=blocks)
+  t0 = time.perf_counter()
+  ex = raw.build("gpt", "gpt_raw", "small", cfg, 0)
+  graph_def = load_graph(ex.train_step.get_concrete_function(*ex.train_signature))
+  t1 = time.perf_counter()
+  for devices in (64, 1024):
+    t2 = time.perf_counter()
+    profile = plan_lib.profile_graph(graph_def, devices, "h100-80gb")
+    t3 = time.perf_counter()
+    _, result = plan_lib.plan_profile(profile, devices, None, "h100-80gb")
+    t4 = time.perf_counter()
+    print(f"  traced {blocks}-block GPT ({len(graph_def.node)} nodes, traced in "
+          f"{t1 - t0:.1f} s) on {devices} devices: profile {t3 - t2:.2f} s, search "
+          f"{t4 - t3:.2f} s; best {result.best.label()}")
+
+
+def versus_hand_rule():
+  print("\nplanner vs hand rule (same cost model; cap: the device's memory):")
+  rows = []
+  for name, preset, devices in CASES:
+    profile = model_on(name, preset)
+    planner, result = plan(profile, preset, devices)
+    hand = planner.hand_rule()
+    best = result.best
+    ratio = (f"{hand.step_time / best.step_time:.2f}" if hand and best else
+             "hand: no fit" if best else "no fit")
+    rows.append([name, f"{devices} x {preset}",
+                 best.label() if best else "-",
+                 f"{best.step_time:.3g}" if best else "-",
+                 hand.label() if hand else "-",
+                 f"{hand.step_time:.3g}" if hand else "-", ratio,
+                 f"{result.seconds:.2f}"])
+  print(format_table(["model", "cluster", "planner", "step s", "hand rule", "step s",
+                      "hand/planner", "plan s"], rows, "<<<><>>>", indent="  "))
+
+
+def measured(specs):
+  """Predicted against measured step time of the planner's plans on logical CPUs."""
+  import statistics  # pylint: disable=import-outside-toplevel
+  devices = FLAGS.devices
+  benchlib.logical_devices("CPU", devices)  # before TensorFlow's runtime starts
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import calibrate, op_cost  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.plan import Plan, space  # pylint: disable=import-outside-toplevel
+  t0 = time.perf_counter()
+  table = calibrate.calibrate()
+  spec = cluster_lib.from_preset("cpu-host", devices, devices_per_host=devices)
+  print(f"\npredicted vs measured on {devices} logical CPUs (micro-benchmark calibration "
+        f"in {time.perf_counter() - t0:.0f} s; op overhead {table.op_overhead * 1e6:.1f} us):")
+  rows = []
+  for text in specs:
+    name, _, size = text.partition(":")
+    ex = models.build(name, size=size or "small", seed=0)
+    names = list(zip(ex.all_variables(), ex.variable_names()))
+    graph_def = load_graph(ex.train_step.get_concrete_function(*ex.train_signature),
+                           variable_names=names)
+    profile = profile_lib.from_graph(graph_def, op_cost.CostModel(spec, table=table))
+    planner = Planner(profile, spec, devices)
+    result = planner.search(top=FLAGS.top)
+    chosen = list(result.ranked[:FLAGS.top])
+    if profile.batch % devices == 0 and not any(
+        e.candidate == space.Candidate(devices, 1, 1) for e in chosen):
+      chosen.append(planner.costing.evaluate(space.Candidate(devices, 1, 1),
+                                             [(0, planner.costing.n)]))
+    inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=0)]
+    steps = {}
+    for est in chosen:
+      plan = Plan.from_estimate(est, profile)
+      steps[est.label()] = (tfsplit.split(
+          ex.train_step, plan=plan, input_signature=ex.train_signature,
+          variable_names=names), inputs)
+    samples, _ = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
+                                     steps=FLAGS.steps)
+    for rank, est in enumerate(chosen):
+      label = est.label()
+      got = statistics.median(samples[label])
+      rows.append([text, str(rank + 1) if rank < len(result.ranked) else "dp",
+                   label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
+                   f"{est.step_time / got:.2f}"])
+  print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
+                      "predicted/measured"], rows, "<<<>>>", indent="  "))
+
+
+def main(argv):
+  del argv
+  if FLAGS.measure:  # first: logical devices must be set before TF starts
+    measured(FLAGS.measure)
+  timing()
+  if FLAGS["graph-blocks"].value:
+    traced_graph(FLAGS["graph-blocks"].value)
+  versus_hand_rule()
+
+
+if __name__ == "__main__":
+  app.run(main)
