@@ -381,3 +381,22 @@ def test_plan_auto():
   plan = split_model.split_step.plan
   assert plan is not None and plan.split_options()["mesh"] == ",".join(
       f"{k}={v}" for k, v in split_model.split_step.mesh.axes.items())
+
+
+def test_fit_across_two_worker_processes(tmp_path):
+  """dp=2 over 2 worker processes (TF gRPC servers on 127.0.0.1, driven by
+  this process): the same history and weights as plain fit; the workers are
+  stopped whatever happens."""
+  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import workers  # pylint: disable=import-outside-toplevel
+  name = "causallm_keras3"
+  want_hist, want, alt_hist, alt = _reference(name)
+  group, spec = workers.start_workers(2, 1, timeout=120, logdir=str(tmp_path))
+  try:
+    cluster = cluster_lib.resolve(spec)
+    got_hist, _, start, split_model = _fit(name, dict(mesh="dp=2", cluster=cluster))
+    assert split_model.split_step.cluster is not None
+    _report(split_model, start, want, alt, got_hist, want_hist, alt_hist).assert_ok(
+        "dp=2 on 2 workers")
+  finally:
+    group.stop()

@@ -145,7 +145,7 @@ class SplitModelMixin(object):
       step = SplitFunction(
           concrete, variable_names=state.names,
           prepare=lambda g: drop_variable_writes(g, state.metric_names)[0],
-          shared_variables=None if state.step is None else state.step.variables,
+          shares_with=state.step,
           **state.options)
     except TfsplitError as e:
       raise type(e)(self._in_keras_terms(str(e))) from None

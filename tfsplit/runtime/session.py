@@ -48,7 +48,8 @@ def with_variable_handles(graph_def):
 
 
 class SessionRunner(object):
-  """A rewritten graph in a Session, with its variables initialised."""
+  """A rewritten graph in a Session, with its variables initialised (values
+  None: left as they are, made by another runner on the same servers)."""
 
   def __init__(self, graph_def, values, target="", num_cpus=None, config=None):
     self.graph_def = with_variable_handles(graph_def)
@@ -60,7 +61,7 @@ class SessionRunner(object):
       tf.graph_util.import_graph_def(self.graph_def, name="")
       inits, self._placeholders = [], {}
       for info in find_variables(graph):
-        if info.name not in values:
+        if values is not None and info.name not in values:
           raise TfsplitError(f"no value for variable '{info.name}'")
         handle = self.graph.get_tensor_by_name(info.node + ":0")
         with tf.device(handle.device):
@@ -71,7 +72,8 @@ class SessionRunner(object):
     if config is None:
       config = session_config(graph_def, num_cpus)
     self.session = tf.compat.v1.Session(target, graph=self.graph, config=config)
-    self.assign(values)
+    if values is not None:  # None: the variables live in the servers already
+      self.assign(values)
 
   def assign(self, values):
     """Sets every variable (by recorded name) to values[name], in one run."""

@@ -75,29 +75,19 @@ def create_shard_variables(manifest, full_values_by_name):
   return variables
 
 
-def _on_device(var, device):
-  """Whether `var` lives on `device` (a manifest's, perhaps without job/task)."""
-  held = tf.DeviceSpec.from_string(var.device)
-  return held.make_merged_spec(tf.DeviceSpec.from_string(device)) == held
-
-
-def check_same_layout(manifest, variables):
-  """The shard variables of `manifest` taken from `variables` ({shard name:
-  tf.Variable} of another split of the same model) when it places every
-  shard the same way; else PlanError naming the first variable laid out
-  otherwise."""
+def check_same_layout(manifest, other):
+  """Raises PlanError unless every shard of `manifest` is a shard of manifest
+  `other` (another split of the same model) with the same device, offsets and
+  shape: a forward-only step may read a subset of a training step's."""
   from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
+  theirs = {s["name"]: s for e in other.values() for s in e["shards"]}
   for name, entry in manifest.items():
     for shard in entry["shards"]:
-      var = variables.get(shard["name"])
-      if var is None or list(var.shape) != list(shard["shape"]) or not _on_device(
-          var, shard["device"]):
+      their = theirs.get(shard["name"])
+      if their is None or any(their[k] != shard[k] for k in ("device", "offsets", "shape")):
         raise PlanError(
             f"variable '{name}' is split another way for this input shape than for the "
-            "first one (shard '{}'); give every call the same input shapes".format(
-                shard["name"]))
-  # A forward-only step (evaluation) reads a subset of a training step's.
-  return {s["name"]: variables[s["name"]] for e in manifest.values() for s in e["shards"]}
+            f"first one (shard '{shard['name']}'); give every call the same input shapes")
 
 
 def full_values_from_checkpoint(path, names):

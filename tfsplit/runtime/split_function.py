@@ -74,7 +74,7 @@ class SplitFunction(object):
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
                offload=None, offload_device=None, prepare=None, plan=None, devices=None,
-               device_memory=None, hardware=None, shared_variables=None):
+               device_memory=None, hardware=None, shares_with=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     # With a plan the mesh is known only once the graph is (below).
@@ -113,15 +113,20 @@ class SplitFunction(object):
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
+    if shares_with is not None:
+      # The same model traced for another input shape or kind of step (a
+      # smaller last batch, evaluation): it runs on the first split's shards.
+      shards_lib.check_same_layout(self.manifest, shares_with.manifest)
     if self.cluster is not None:
       self.variables, self._fn = None, None
+      # Shared shards already live in the workers' containers: no new values.
       self._runner = cluster_lib.ClusterRunner(
-          self.graph_def, shards_lib.shard_values(self.manifest, values), self.cluster,
+          self.graph_def, None if shares_with is not None
+          else shards_lib.shard_values(self.manifest, values), self.cluster,
           timeout_seconds)
-    elif shared_variables is not None:
-      # The same function traced for another input shape (a smaller last
-      # batch): it trains the shard variables of the first split.
-      self.variables = shards_lib.check_same_layout(self.manifest, shared_variables)
+    elif shares_with is not None:
+      self.variables = {s["name"]: shares_with.variables[s["name"]]
+                        for e in self.manifest.values() for s in e["shards"]}
       self._fn = import_graph(self.graph_def, self.variables)
     else:
       self.variables = shards_lib.create_shard_variables(self.manifest, values)
