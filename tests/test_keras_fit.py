@@ -400,3 +400,36 @@ def test_fit_across_two_worker_processes(tmp_path):
         "dp=2 on 2 workers")
   finally:
     group.stop()
+
+
+def test_replicated_ops_are_reported_by_keras_layer(caplog):
+  """An op with no split rule (tf.unique over the data-split batch) runs
+  replicated, exactly; fit says so once, naming the Keras layer."""
+  import keras  # pylint: disable=import-outside-toplevel
+
+  def build():
+    init = keras.initializers.GlorotUniform(seed=1)
+    inputs = keras.Input([8])
+    h = keras.layers.Dense(16, kernel_initializer=init, name="proj")(inputs)
+    distinct = keras.layers.Lambda(
+        lambda t: tf.cast(tf.size(tf.unique(tf.reshape(tf.cast(t * 3.0, tf.int32), [-1]))[0]),
+                          tf.float32) * tf.ones_like(t[:, :1]), name="distinct")(inputs)
+    h = keras.layers.Concatenate(name="join")([h, distinct * 0.01])
+    return keras.Model(inputs, keras.layers.Dense(4, kernel_initializer=init, name="head")(h))
+
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal([16, 8]).astype(np.float32)
+  y = rng.standard_normal([16, 4]).astype(np.float32)
+  histories = []
+  for split in (False, True):
+    model = build()
+    target = tfsplit.keras.split(model, mesh="dp=2") if split else model
+    target.compile(optimizer="adam", loss="mse")
+    with caplog.at_level("WARNING"):
+      histories.append(target.fit(x, y, batch_size=8, epochs=2, verbose=0,
+                                  shuffle=False).history)
+  for g, w in zip(histories[1]["loss"], histories[0]["loss"]):
+    assert compare.compare("output", "loss", g, w).ok, histories
+  warnings = [r.getMessage() for r in caplog.records if "replicated instead of split" in r.getMessage()]
+  assert len(warnings) == 1 and "'distinct'" in warnings[0], warnings
+  assert "op Unique" in warnings[0], warnings

@@ -157,6 +157,7 @@ class SplitModelMixin(object):
         plan_options = dict(step.plan.split_options())
         state.options = dict(state.options, plan=None, **plan_options)
         state.mesh_axes = dict(step.mesh.axes)
+      self._report_fallbacks(step)
       written = _written_variables(step.original_graph_def)
       state.host_scalars = {name: var for name, var in step.original_variables.items()
                             if name not in written and int(np.prod(var.shape)) <= 1}
@@ -220,6 +221,20 @@ class SplitModelMixin(object):
           f"a batch of {batch} examples does not divide over dp={dp} x microbatches={m}: "
           f"use a global batch size that is a multiple of {dp * m}, and a last batch "
           "that is one too (batch a tf.data dataset with drop_remainder=True)")
+
+  def _report_fallbacks(self, step):
+    """Says once, by Keras layer, which ops were replicated instead of split
+    (their split inputs gathered): correct, but slower and bigger."""
+    fallbacks = list(getattr(step.result, "fallbacks", ()) or ())
+    if not fallbacks:
+      return
+    layers = sorted({_layer_for_node(self.model, m.split("'")[1]) or "?" for m in fallbacks
+                     if "'" in m})
+    logging.warning(
+        "tfsplit.keras: %d ops run replicated instead of split, in Keras layers %s; the "
+        "first: %s (split_model.split_step.result.fallbacks lists them all)",
+        len(fallbacks), ", ".join(f"'{n}'" for n in layers[:8]),
+        self._in_keras_terms(fallbacks[0]))
 
   def _in_keras_terms(self, message):
     """`message` naming the Keras layer whose graph node it names."""
