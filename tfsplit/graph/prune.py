@@ -8,12 +8,9 @@ removes every op writing such a variable, then whatever only those ops
 needed (their reads, their arithmetic, the variable's handle), and nothing
 else: a node that had no consumer before stays.
 """
+from tfsplit.constants import is_write_op
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph
-
-# Ops that change a variable through its handle (input 0).
-WRITE_OPS = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp",
-                       "ResourceScatterAdd", "ResourceScatterUpdate"])
 
 
 def drop_variable_writes(graph_def, names):
@@ -27,7 +24,7 @@ def drop_variable_writes(graph_def, names):
       name = node.attr[variables_lib.VAR_NAME_ATTR].s.decode()
       if name in names:
         dropped_vars[node.name] = name
-  writers = [n.name for n in graph.nodes if n.op in WRITE_OPS and n.input
+  writers = [n.name for n in graph.nodes if is_write_op(n.op) and n.input
              and n.input[0].split(":")[0] in dropped_vars]
   if not writers:
     return graph_def, []

@@ -24,6 +24,7 @@ from absl import logging
 import numpy as np
 import tensorflow as tf
 
+from tfsplit.constants import is_write_op
 from tfsplit.errors import PlanError, TfsplitError, printable
 from tfsplit.graph.prune import drop_variable_writes
 from tfsplit.keras.flavors import wants_predictions
@@ -418,12 +419,11 @@ def named_variables(flavor, model):
 def _written_variables(graph_def):
   """Names of the captured variables some op of the graph writes."""
   from tfsplit.graph import variables as variables_lib  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph.prune import WRITE_OPS  # pylint: disable=import-outside-toplevel
   handles = {n.name: n.attr[variables_lib.VAR_NAME_ATTR].s.decode() for n in graph_def.node
              if variables_lib.VAR_NAME_ATTR in n.attr}
   written = set()
   for node in graph_def.node:
-    if node.input and (node.op in WRITE_OPS or node.op.startswith("ResourceApply")):
+    if node.input and is_write_op(node.op):
       for text in node.input:
         source = text.lstrip("^").split(":")[0]
         if source in handles:
