@@ -93,11 +93,13 @@ def main(argv):
     want, want_weights, _ = train(split=False)
     print("plain fit on one device:  "
           + ", ".join(f"{k} {[round(v, 5) for v in vals]}" for k, vals in want.items()))
-    worst = max(float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-12))
-                for a, b in zip(got_weights, want_weights))
+    # Attention key biases get an identically zero gradient: Adam moves them
+    # by rounding noise alone (values ~1e-7), so they are left out here.
+    worst = max(float(np.abs(a - b).max() / np.abs(b).max())
+                for a, b in zip(got_weights, want_weights) if np.abs(b).max() > 1e-4)
     history = max(abs(g - w) / abs(w) for k in want for g, w in zip(got[k], want[k]) if w)
     print(f"largest relative difference: history {history:.2e}, weights {worst:.2e} "
-          "(weights include tensors whose gradient is zero up to rounding)")
+          "(of each tensor's largest value)")
 
 
 if __name__ == "__main__":
