@@ -13,11 +13,7 @@ import bench_estimate  # tools/, on sys.path (see conftest.py)
 TOLERANCE = 0.15
 
 
-@pytest.mark.slow  # the measured peak moves by process: estimate / peak 0.80-0.90
 def test_recompute_blocks_estimate_within_15_percent_of_allocator_peak():
-  # The estimator runs ops in graph order; TF's executor defers some gradient
-  # ops (activation-sized gradients live longer), so the estimate is 10-20%
-  # under the peak and this fails in some processes: a known gap, not CI's.
   # dp=1: one device, so the allocator's peak is that device's. The small
   # GPT's activations are ~70% of its peak, and blocks recomputation keeps
   # about half of them: the peak moves by ~30%, twice the tolerance.
@@ -26,6 +22,12 @@ def test_recompute_blocks_estimate_within_15_percent_of_allocator_peak():
   assert r["estimated_peak"] == pytest.approx(r["measured_peak"],
                                               rel=TOLERANCE), r
   assert r["estimated_without_pass"] > (1 + TOLERANCE) * r["measured_peak"], r
+  # The peak is in the last block's backward, and it holds what TF's
+  # executor leaves for the end of the step (the gradient reductions it
+  # queued under the backward chain, and their inputs): run in graph order
+  # instead, the same graph peaks 10-20% lower (0.80-0.90 of the measured
+  # peak), which is why the estimate follows the executor's order.
+  assert r["estimated_graph_order"] < 0.95 * r["estimated_peak"], r
 
 
 def test_zero1_estimate_within_15_percent_of_allocator_peak_and_state():

@@ -11,7 +11,7 @@ from tfsplit.cost import collectives
 from tfsplit.cost import graph_sim
 from tfsplit.cost import op_cost
 from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
-from tfsplit.errors import CostTableError
+from tfsplit.errors import CostTableError, PlanError
 from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph
 
 import bench_estimate  # tools/, on sys.path (see conftest.py)
@@ -90,6 +90,54 @@ def test_simulation_honours_control_edges_and_transfers():
   times = {t_ for tl in timelines for t_, _ in tl}
   assert res.shared_peak == max(level(0, w) + level(1, w) for w in times)
   assert res.shared_peak < res.memory[0].peak + res.memory[1].peak
+
+
+def _fan_out_graph():
+  """a = x^2 read by three expensive ops b1, b2, b3 (in that graph order) and
+  by a Reshape r, itself read by e."""
+  g = tf.Graph()
+  with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+    a = tf.math.square(x, name="a")
+    tf.math.negative(a, name="b1")
+    tf.math.exp(a, name="b2")
+    r = tf.reshape(a, [64 * 64], name="r")
+    tf.math.abs(a, name="b3")
+    tf.math.sqrt(r, name="e")
+  return g.as_graph_def()
+
+
+def test_executor_order_runs_views_inline_and_queued_ops_last_in_first_out():
+  graph = Graph(_fan_out_graph())
+  ops = {n.name: n.op for n in graph.nodes}
+  order = [n for n in graph_sim.executor_order(graph) if ops[n] != "Const"]
+  # a readies b1, b2, r, b3: the Reshape runs inline, and e after it; the
+  # expensive ones are queued on the thread's stack, so the first queued
+  # (b1) runs last. Graph order would run b1 right after a.
+  assert order == ["x", "a", "r", "e", "b3", "b2", "b1"]
+  assert graph.topological_order()[:3] == ["x", "a", "b1"]
+  # Any order of the out edges gives a topological order of every node.
+  for seed in range(3):
+    shuffled = graph_sim.executor_order(graph, seed=seed)
+    assert sorted(shuffled) == sorted(graph.node_names())
+    at = {n: i for i, n in enumerate(shuffled)}
+    assert all(at[src] < at[n.name] for n in graph.nodes
+               for src, _ in Graph.inputs(n))
+
+
+def test_executor_schedule_is_the_median_of_its_sampled_orders():
+  graph = Graph(_fan_out_graph())
+  res = graph_sim.simulate_graph(graph, _cluster(1), variables=[], samples=5)
+  assert res.schedule == "executor" and len(res.sampled_peaks) == 5
+  assert res.shared_peak == sorted(res.sampled_peaks)[2]
+  # In graph order b1, b2 and b3 run before the reshape chain, and a is
+  # freed before e allocates: the executor's order never peaks lower.
+  plain = graph_sim.simulate_graph(graph, _cluster(1), variables=[],
+                                   schedule="graph")
+  assert plain.schedule == "graph" and plain.sampled_peaks == [plain.shared_peak]
+  assert min(res.sampled_peaks) >= plain.shared_peak
+  with pytest.raises(PlanError, match="unknown schedule"):
+    graph_sim.simulate_graph(graph, _cluster(1), variables=[], schedule="bfs")
 
 
 def test_collective_members_wait_for_one_alpha_beta_task():

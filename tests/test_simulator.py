@@ -39,6 +39,19 @@ def test_one_task_at_a_time_lowest_priority_first():
   assert [r.start[t] for t in (early, default, late)] == [0.0, 1.0, 2.0]
 
 
+def test_set_priority_reorders_a_built_graph():
+  g = TaskGraph()
+  d = g.add_device("d")
+  a = g.add_task("a", d, 1.0)
+  b = g.add_task("b", d, 1.0)
+  assert g.simulate().start[b] == 1.0
+  g.set_priority(b, -1)  # the same graph, simulated in another order
+  r = g.simulate()
+  assert (r.start[b], r.start[a]) == (0.0, 1.0)
+  with pytest.raises(PlanError, match="unknown task"):
+    g.set_priority(7, 0)
+
+
 def test_priority_decides_between_tasks_ready_at_the_same_instant():
   g = TaskGraph()
   d0, d1 = g.add_device("d0"), g.add_device("d1")

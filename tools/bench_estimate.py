@@ -31,7 +31,9 @@ offload (offload='optimizer' over dp=1 on CPU:1, its host CPU:0: two logical
 devices on the one allocator, compared as zero's): the shared peak hardly
 moves (the slots change device, not allocator), so the state per device is
 printed beside it, estimated against the manifest's shards: the host holds
-the slots, the mesh device the weights.
+the slots, the mesh device the weights. Beside the estimate (the ops in the
+order TF's executor runs them, graph_sim.executor_order), the same graph's
+estimate with its ops in graph order: what the order alone changes.
 
     python tools/bench_estimate.py [--models mlp_raw:small,gpt_raw:small]
     python tools/bench_estimate.py --models gpt_raw:small --passes \
@@ -221,6 +223,10 @@ def measure_pass(name, size, pass_name, batch=0):
                                 for m in res.memory),
          "estimated_device_state": {m.device: m.parameters + m.optimizer_state
                                     for m in res.memory}}
+  # The same graph with its ops run in graph order instead of the executor's:
+  # what the order alone changes.
+  out["estimated_graph_order"] = graph_sim.simulate_graph(
+      step.graph_def, cluster, schedule="graph").shared_peak
   if PASSES[pass_name]:
     # The estimate as if the pass did nothing: the same mesh without it. A
     # comparison that this also passes could not tell a pass from none.
@@ -288,7 +294,7 @@ def print_passes(rows):
         "on its one CPU allocator: the sum over devices)")
   print(f"  {'model':18s} {'pass':10s} {'mesh':5s} {'batch':>5s} "
         f"{'measured':>12s} {'estimated':>12s} {'ratio':>6s} "
-        f"{'min-max ratio':>13s} {'no pass':>6s} {'state':>10s} "
+        f"{'min-max ratio':>13s} {'no pass':>6s} {'graph':>6s} {'state':>10s} "
         f"{'est':>10s} {'ratio':>6s} {'no pass':>7s}  per-device est")
   for r in rows:
     m, e = r["measured_peak"], r["estimated_peak"]
@@ -299,6 +305,7 @@ def print_passes(rows):
           f"{m:12,d} {e:12,d} {_ratio(e, m):>6s} "
           f"{_ratio(e, hi) + '-' + _ratio(e, lo):>13s} "
           f"{_ratio(without, m) if without else '-':>6s} "
+          f"{_ratio(r['estimated_graph_order'], m):>6s} "
           f"{r['state']:10,d} {r['estimated_state']:10,d} "
           f"{_ratio(r['estimated_state'], r['state']):>6s} "
           f"{_ratio(state_without, r['state']) if state_without else '-':>7s}  "
@@ -309,7 +316,8 @@ def print_passes(rows):
           for d, est in r["estimated_device_state"].items()))
   print("  ratio: estimate / measured (median of the steps' peaks; min-max: "
         "over the steps); no pass: the estimate of the same mesh without the "
-        "pass / measured; state: the step's shard variables as created (from "
+        "pass / measured; graph: the estimate with the ops run in graph order "
+        "instead of TF's executor's / measured; state: the step's shard variables as created (from "
         "the manifest), against the estimate's parameters + optimizer state "
         "over all devices (from the graph); offload: the mesh on CPU:1, its "
         "host CPU:0, the state per device beside it (the host: the slots, "

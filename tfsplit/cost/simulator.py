@@ -90,6 +90,12 @@ class TaskGraph:
     self.static_bytes.append(0)
     return rid
 
+  def set_priority(self, task, priority):
+    """Sets the priority `task` runs with (lower first among ready tasks on
+    its resource), e.g. to simulate one graph in another order."""
+    self._check_task(task)
+    self.priority[task] = int(priority)
+
   def set_static_bytes(self, device, nbytes):
     self._check_device(device, "set_static_bytes")
     self.static_bytes[device] = int(nbytes)

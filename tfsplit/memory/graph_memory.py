@@ -53,11 +53,12 @@ class DeviceMemory:
 
 
 def static_memory(graph, shapes, variables, device_of, device_names,
-                  granularity=GRANULARITY):
+                  granularity=GRANULARITY, skip=()):
   """[DeviceMemory] with the static part filled in, one per device.
 
   graph: a tfsplit Graph; shapes: its ShapeMap; variables: its VariableInfo
-  list; device_of: node name -> device index; device_names: index -> name.
+  list; device_of: node name -> device index; device_names: index -> name;
+  skip: constants and inputs not to count (nodes TF prunes from the step).
   """
   rows = [DeviceMemory(name) for name in device_names]
   for var in variables:
@@ -71,7 +72,7 @@ def static_memory(graph, shapes, variables, device_of, device_names,
   from tfsplit.graph import variables as variables_lib  # pylint: disable=import-outside-toplevel
   for node in graph.nodes:
     if node.op not in ("Const", "Placeholder") or \
-        variables_lib.is_variable_node(node):
+        variables_lib.is_variable_node(node) or node.name in skip:
       continue
     outs = shapes[node.name] if node.name in shapes else []
     nbytes = sum(round_up(i.num_bytes or 0, granularity) for i in outs)
