@@ -433,3 +433,30 @@ def test_replicated_ops_are_reported_by_keras_layer(caplog):
   warnings = [r.getMessage() for r in caplog.records if "replicated instead of split" in r.getMessage()]
   assert len(warnings) == 1 and "'distinct'" in warnings[0], warnings
   assert "op Unique" in warnings[0], warnings
+
+
+@pytest.mark.parametrize("flavor", ["keras3", pytest.param("tfkeras", marks=pytest.mark.slow)])
+def test_on_batch_methods(flavor):
+  """train_on_batch, test_on_batch and predict_on_batch run split (each
+  kind once) and give what the plain model gives."""
+  K = _keras(f"x_{flavor}")
+  rng = np.random.default_rng(0)
+  x = {"features": rng.standard_normal([16, 8]).astype(np.float32),
+       "mask": (rng.random([16, 8]) > 0.3).astype(np.float32)}
+  y = rng.standard_normal([16, 4]).astype(np.float32)
+  runs = []
+  for split in (False, True):
+    model = _two_input_model(K)
+    target = tfsplit.keras.split(model, mesh="dp=2", timeout_seconds=TIMEOUT) if split \
+        else model
+    target.compile(optimizer=K.optimizers.Adam(1e-2), loss="mse", metrics=["mae"])
+    logs = [target.train_on_batch(x, y, return_dict=True) for _ in range(2)]
+    logs.append(target.test_on_batch(x, y, return_dict=True))
+    runs.append((logs, np.asarray(target.predict_on_batch(x)), target))
+  (want_logs, want_pred, _), (got_logs, got_pred, split_model) = runs
+  for want, got in zip(want_logs, got_logs):
+    for key, value in want.items():
+      assert compare.compare("output", key, got[key], value).ok, (got, want)
+  assert compare.compare("output", "predictions", got_pred, want_pred).ok
+  kinds = split_model._tfsplit.kinds  # pylint: disable=protected-access
+  assert [len(kinds[k].steps) for k in ("train", "test", "predict")] == [1, 1, 1]
