@@ -416,3 +416,22 @@ def test_plan_json_format_is_the_plan_file(tmp_path, capsys):
   assert printed.pop("search")["evaluated"] > 0
   assert printed == json.loads(path.read_text())
   assert printed["layers"] == ["mlp/layer_0", "mlp/layer_1", "mlp/layer_2"]
+
+
+# --- the objective against measured steps ------------------------------------------------
+@pytest.mark.slow
+def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
+  # In its own process (its own runtime, 4 logical CPUs), costs from the
+  # micro-benchmarks alone: the medians of interleaved rounds of steps of
+  # each split against the planner's price for it.
+  import benchlib  # pylint: disable=import-outside-toplevel
+  meshes = ["dp=2", "tp=2", "pp=2 m=2"]
+  rows = benchlib.run_script(
+      os.path.join(_ROOT, "tools", "bench_planner.py"),
+      ["--measure", "gpt_raw:small", "--meshes", ";".join(meshes), "--top", "0",
+       "--rounds", "5", "--steps", "10", "--measure_only"], timeout=900)
+  got = {(r["mesh"], r["microbatches"]): r for r in rows}
+  for text in meshes:
+    mesh, _, m = text.partition(" m=")
+    r = got[(mesh, int(m or 1))]
+    assert r["predicted"] == pytest.approx(r["measured"], rel=0.25), r

@@ -21,13 +21,21 @@ common hand rule.
    example model (and plain data parallelism), each run with tfsplit.split
    and timed (warm-up, then rounds of steps taking turns), against their
    predicted step time. Costs come from a calibration table of the
-   micro-benchmark alone (`tfsplit calibrate` without the graph: calibrating
-   from the graph being predicted would flatter the prediction); the
-   cluster is the cpu-host preset with every device in one host.
+   micro-benchmarks alone (`tfsplit calibrate` without the graph: chains
+   of ops, small synthetic training steps, collectives and transfers
+   between two logical CPUs; calibrating from the graph being predicted
+   would flatter the prediction); the cluster is the cpu-host preset with
+   every device in one host.
 
     python tools/bench_planner.py [--repeats 3] [--graph-blocks 96]
-    python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small
+    python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small \
+        --meshes "dp=2;tp=2;dp=2,tp=2;pp=2 m=1;pp=2 m=2;pp=2 m=4"
+
+   --meshes adds fixed candidates to the planner's best (each with the
+   planner's cut); --calibration FILE reuses (or writes) the table, so that
+   several runs share one calibration.
 """
+import os
 import time
 
 from absl import app
@@ -50,6 +58,13 @@ flags.DEFINE_integer("devices", 4, "With --measure: logical CPU devices.")
 flags.DEFINE_integer("top", 3, "With --measure: plans timed per model.")
 flags.DEFINE_integer("steps", 10, "With --measure: steps per round.")
 flags.DEFINE_integer("rounds", 3, "With --measure: rounds.")
+flags.DEFINE_string("meshes", "", "With --measure: also time these candidates, "
+                    "';'-separated 'MESH [m=K]' (e.g. 'dp=2;tp=2;dp=2,tp=2;pp=2 m=2'), "
+                    "each with the planner's cut.")
+flags.DEFINE_bool("measure_only", False, "With --measure: skip the planning-time and "
+                  "hand-rule parts, and print the rows as a result line (tests read it).")
+flags.DEFINE_string("calibration", "", "With --measure: the cost table to use (written "
+                    "by the micro-benchmark when missing); default: measure one now.")
 
 # (model, sizes for synthetic_gpt)
 MODELS = {
@@ -152,11 +167,20 @@ def measured(specs):
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import Plan, space  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  table = calibrate.calibrate()
+  path = FLAGS.calibration
+  if path and os.path.exists(path):
+    table = op_cost.CostTable.load(path)
+  else:
+    table = calibrate.calibrate()
+    if path:
+      table.save(path)
   spec = cluster_lib.from_preset("cpu-host", devices, devices_per_host=devices)
   print(f"\npredicted vs measured on {devices} logical CPUs (micro-benchmark calibration "
-        f"in {time.perf_counter() - t0:.0f} s; op overhead {table.op_overhead * 1e6:.1f} us):")
-  rows = []
+        f"in {time.perf_counter() - t0:.0f} s; per op {table.op_overhead * 1e6:.1f} us, "
+        f"ops in a step x{table.graph_scale:.2f}, concurrency {table.concurrency or 0:.2f}, "
+        f"collective {table.collective_overhead * 1e6:.0f} us, transfer "
+        f"{table.transfer_overhead * 1e6:.1f} us):")
+  rows, results = [], []
   for text in specs:
     name, _, size = text.partition(":")
     ex = models.build(name, size=size or "small", seed=0)
@@ -165,12 +189,15 @@ def measured(specs):
                            variable_names=names)
     profile = profile_lib.from_graph(graph_def, op_cost.CostModel(spec, table=table))
     planner = Planner(profile, spec, devices)
-    result = planner.search(top=FLAGS.top)
+    result = planner.search(top=max(1, FLAGS.top))
     chosen = list(result.ranked[:FLAGS.top])
     if profile.batch % devices == 0 and not any(
         e.candidate == space.Candidate(devices, 1, 1) for e in chosen):
       chosen.append(planner.costing.evaluate(space.Candidate(devices, 1, 1),
                                              [(0, planner.costing.n)]))
+    fixed = [planner.evaluate(c) for c in mesh_candidates(FLAGS.meshes)]
+    chosen += [e for e in fixed if e is not None and
+               all(e.candidate != x.candidate for x in chosen)]
     inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=0)]
     steps = {}
     for est in chosen:
@@ -183,17 +210,37 @@ def measured(specs):
     for rank, est in enumerate(chosen):
       label = est.label()
       got = statistics.median(samples[label])
-      rows.append([text, str(rank + 1) if rank < len(result.ranked) else "dp",
+      results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
+                      "microbatches": est.candidate.microbatches,
+                      "predicted": est.step_time, "measured": got})
+      rows.append([text, str(rank + 1) if rank < min(FLAGS.top, len(result.ranked)) else "-",
                    label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
                    f"{est.step_time / got:.2f}"])
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
                       "predicted/measured"], rows, "<<<>>>", indent="  "))
+  if FLAGS.measure_only:
+    benchlib.print_result(results)
+
+
+def mesh_candidates(text):
+  """Candidates of --meshes: 'dp=2,tp=2 m=2;pp=2' (1f1b, no ZeRO)."""
+  from tfsplit.plan import space  # pylint: disable=import-outside-toplevel
+  out = []
+  for item in filter(None, (t.strip() for t in text.split(";"))):
+    mesh, _, rest = item.partition(" ")
+    axes = dict(a.split("=") for a in mesh.split(","))
+    m = int(rest.strip().partition("=")[2] or 1) if rest.strip() else 1
+    out.append(space.Candidate(int(axes.get("dp", 1)), int(axes.get("tp", 1)),
+                               int(axes.get("pp", 1)), m))
+  return out
 
 
 def main(argv):
   del argv
   if FLAGS.measure:  # first: logical devices must be set before TF starts
     measured(FLAGS.measure)
+    if FLAGS.measure_only:
+      return
   timing()
   if FLAGS["graph-blocks"].value:
     traced_graph(FLAGS["graph-blocks"].value)

@@ -1,8 +1,10 @@
 """Measure op costs on this machine into a cost table.
 
-Runs the standard micro-benchmark (MatMuls, elementwise ops, transposes,
-reductions, copies, chains of tiny ops) and every op of each GRAPH inside
-the graph itself, on this machine, and writes a JSON cost table. Give it to
+Runs the standard micro-benchmarks (chains of MatMuls, elementwise ops,
+transposes, reductions, copies and tiny ops; small synthetic training
+steps; collectives and transfers between two logical CPUs) and every op of
+each GRAPH inside the graph itself, on this machine, and writes a JSON cost
+table. Give it to
 `tfsplit estimate GRAPH --calibration table.json`: measured costs override
 the roofline. GRAPH is a .pb / .pbtxt GraphDef or a SavedModel directory.
 """
@@ -51,5 +53,8 @@ def run(fv, args):
       f"{len(table.op_factor)} op types; MatMul {flops}, copy {bandwidth}; "
       f"per-op overhead {table.op_overhead * 1e6:.3g} us, per-step "
       f"{table.step_overhead * 1e6:.3g} us, kernel scale "
-      f"{table.time_scale:.3g} ({time.perf_counter() - t0:.1f} s)\n")
+      f"{table.time_scale:.3g}, in a step x{table.graph_scale:.3g}; logical devices: "
+      f"concurrency {table.concurrency or 1:.3g}, collective "
+      f"{table.collective_overhead * 1e6:.3g} us, transfer "
+      f"{table.transfer_overhead * 1e6:.3g} us ({time.perf_counter() - t0:.1f} s)\n")
   return 0

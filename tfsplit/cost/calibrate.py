@@ -7,12 +7,27 @@ the median over nodes and runs is kept. A node that Grappler fused into a
 neighbour or folded away has no time of its own and is recorded as 0: its
 work is in the fused node's time, as it is when the graph runs for real.
 
-The standard micro-benchmark (MatMuls, elementwise ops, transposes,
-reductions and copies over a range of sizes) gives the machine-level part:
-the best MatMul FLOP/s and copy bandwidth (the roofline), the per-op-type
-efficiency of ops next to it, the overhead of one op, and `time_scale`, the
-ratio of an untraced run's time to the summed traced op times of the same
-graph (tracing slows every op a little; inter-op parallelism speeds a step).
+The standard micro-benchmarks give the machine-level part, without the
+graph to be predicted:
+- chains of one op each (MatMuls, elementwise ops, transposes, reductions,
+  copies, and the ops of attention, GELU, masks, the loss and Adam, at
+  several sizes): the best MatMul FLOP/s and copy bandwidth (the roofline),
+  the launch cost of a step, and `time_scale`, the ratio of an untraced
+  run's time to the summed traced op times;
+- small synthetic training steps (transformer blocks written with matmuls
+  and with einsums, MLPs; forward, gradients, an Adam update): on a small
+  CPU an op inside a step costs several times what it costs alone in a
+  chain (ops run side by side and wait for the same intra-op threads).
+  Each op type's line is fixed seconds per call, what a call costs alone
+  (the chains), plus a factor times the roofline, fitted on its traced
+  times inside the steps where it runs there (the waiting grows with the
+  op: a split's smaller ops wait less), else on the chains; `graph_scale`
+  scales the lines to the steps' untraced times;
+- chains between two logical CPUs: how much of two devices' work overlaps
+  (`concurrency`: 1 where they share the cores), and the fixed cost of one
+  collective and of one cross-device transfer.
+Each is a median over repeated runs (noise from other work on the machine
+only adds time to some runs).
 """
 import collections
 import os
@@ -35,6 +50,16 @@ _MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
 _ELEMENT_SIZES = (64, 1024, 16384, 262144)
 _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
+_CONCURRENCY_SIZE = 16384   # elements: a small model's activation tensor
+# (blocks, batch) of the training steps that price ops inside a step.
+# (blocks, batch, sequence, hidden) of the small training steps whose ops
+# are timed where they run, inside a step; sequence 1 is an MLP.
+_TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
+                   (4, 24, 1, 96), (2, 48, 1, 160))
+# (batch x heads, sequence, head size) of attention's batched matmuls, and
+# (rows, features) of the row-wise ops: around the example models' sizes.
+_ATTENTION_SIZES = ((8, 32, 16), (32, 32, 16), (32, 64, 32))
+_ROW_SIZES = ((64, 64), (256, 64), (256, 256))
 
 
 class Profile:
@@ -228,7 +253,60 @@ def _micro_graph():
             x = fn(x)
       with tf.name_scope(f"sum_{size}"):
         tf.reduce_sum(tf.compat.v1.placeholder(tf.float32, [size]))
+    _model_ops(rng)
   return g.as_graph_def()
+
+
+def _chain(name, shape, fn, dtype=tf.float32):
+  """_COPIES dependent calls x = fn(x) from a fed placeholder of `shape`."""
+  with tf.name_scope(name):
+    x = tf.compat.v1.placeholder(dtype, shape)
+    for _ in range(_COPIES):
+      x = fn(x)
+  return x
+
+
+def _model_ops(rng):
+  """Chains of the other ops transformer and MLP training steps spend their
+  time in (attention's batched matmuls, softmax and head transposes, bias,
+  GELU, masks, reductions, the loss, the optimizer's elementwise math), at
+  three sizes each around a small model's, so that each op type's fixed
+  time per call and its slope can be fitted. Binary forms throughout:
+  Grappler fuses chains of unary ops into one kernel."""
+  const = lambda shape: tf.constant(  # pylint: disable=unnecessary-lambda-assignment
+      (rng.random(shape, dtype=np.float32) * 0.5 + 0.5))
+  for b, n, d in _ATTENTION_SIZES:
+    # softmax(x x^T) x keeps x bounded over the chain (no denormals).
+    _chain(f"attention_{b}_{n}_{d}", [b, n, d], lambda x: tf.linalg.matmul(
+        tf.nn.softmax(tf.linalg.matmul(x, x, transpose_b=True)), x))
+    heads = 4
+    # Keras' dense layers over heads: einsums (TF runs one as transposes,
+    # reshapes and a batched matmul: a large fixed time per call).
+    w_in, w_out = const([d, heads, d // heads]) / d, const([heads, d // heads, d]) / d
+    _chain(f"einsum_{b}_{n}_{d}", [b, n, d], lambda x, w_in=w_in, w_out=w_out: tf.einsum(
+        "abcd,cde->abe", tf.einsum("abc,cde->abde", x, w_in), w_out))
+    c = const([b, heads, n, d // heads])
+    _chain(f"heads_{b}_{n}_{d}", [b, n, heads, d // heads],
+           lambda x, c=c: tf.transpose(tf.transpose(x, [0, 2, 1, 3]) * c, [0, 2, 1, 3]))
+  for rows, cols in _ROW_SIZES:
+    bias, c = const([cols]), const([rows, cols])
+    mask = tf.constant(rng.random([rows, cols]) > 0.5)
+    _chain(f"bias_{rows}_{cols}", [rows, cols],
+           lambda x, bias=bias: tf.nn.bias_add(x, bias) * 0.5)
+    _chain(f"gelu_{rows}_{cols}", [rows, cols],
+           lambda x, c=c: tf.math.erf(x) * c)
+    _chain(f"select_{rows}_{cols}", [rows, cols],
+           lambda x, c=c, mask=mask: tf.where(mask, x, c) - c)
+    _chain(f"adam_{rows}_{cols}", [rows, cols],
+           lambda x, c=c: tf.math.sqrt(tf.square(x) + c) / (c + 1.0))
+    _chain(f"addn_{rows}_{cols}", [rows, cols],
+           lambda x, c=c: tf.math.add_n([x, c, c]) * 0.3)
+    _chain(f"mean_{rows}_{cols}", [rows, cols],
+           lambda x, c=c: tf.reduce_mean(x, axis=-1, keepdims=True) + c)
+    with tf.name_scope(f"loss_{rows}_{cols}"):
+      tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=tf.compat.v1.placeholder(tf.int32, [rows]),
+          logits=tf.compat.v1.placeholder(tf.float32, [rows, cols]))
 
 
 def _dispatch_graph(length=_DISPATCH_CHAIN):
@@ -241,6 +319,232 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
     for i in range(length):
       x = tf.maximum(x, c) if i % 2 else tf.multiply(x, c)
   return g.as_graph_def()
+
+
+def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256):
+  """A small transformer's training step (forward, tf.gradients, an Adam
+  update; every other block in einsums, as Keras layers write it) with its
+  weights and optimizer state fed: the op mix and the
+  parallel structure of a real step, which chains of one op lack. Inside a
+  step, ops run side by side on the inter-op threads and their kernels wait
+  for the same intra-op threads: on a small CPU each op costs several times
+  what it costs alone in a chain."""
+  g = tf.Graph()
+  with g.as_default():
+    feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
+    tokens = feed([batch * seq, hidden])
+    labels = feed([batch * seq], tf.int32)
+    weights = []
+
+    def weight(*shape):
+      weights.append(feed(list(shape)))
+      return weights[-1]
+
+    def norm(x):
+      mean = tf.reduce_mean(x, -1, keepdims=True)
+      var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
+      return (x - mean) * tf.math.rsqrt(var + 1e-5) * weight(hidden) + weight(hidden)
+
+    def heads_of(t):
+      return tf.transpose(tf.reshape(t, [batch, seq, heads, hidden // heads]),
+                          [0, 2, 1, 3])
+
+    causal = tf.constant(np.tril(np.ones([seq, seq], dtype=bool)))
+    norm = norm if seq > 1 else (lambda t: t)
+    x = tokens
+    hd = hidden // heads
+    for i in range(blocks):
+      if seq == 1:   # an MLP's block: dense, GELU
+        h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
+        x = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+        continue
+      if i % 2:   # attention as Keras' MultiHeadAttention writes it: einsums
+        y = tf.reshape(norm(x), [batch, seq, hidden])
+        q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
+                   weight(heads, hd) for _ in range(3))
+        scores = tf.einsum("aecd,abcd->acbe", k, q) * hd ** -0.5
+        probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+        ctx = tf.einsum("acbe,aecd->abcd", probs, v)
+        out = tf.einsum("abcd,cde->abe", ctx, weight(heads, hd, hidden)) + weight(hidden)
+        x = x + tf.reshape(out, [batch * seq, hidden])
+        h = tf.einsum("abc,cd->abd", tf.reshape(norm(x), [batch, seq, hidden]),
+                      weight(hidden, 4 * hidden)) + weight(4 * hidden)
+        h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+        x = x + tf.reshape(tf.einsum("abc,cd->abd", h, weight(4 * hidden, hidden)) +
+                           weight(hidden), [batch * seq, hidden])
+        continue
+      qkv = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 3 * hidden)),
+                           weight(3 * hidden))
+      q, k, v = (heads_of(t) for t in tf.split(qkv, 3, axis=-1))
+      scores = tf.linalg.matmul(q, k, transpose_b=True) * (hidden // heads) ** -0.5
+      probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+      ctx = tf.reshape(tf.transpose(tf.linalg.matmul(probs, v), [0, 2, 1, 3]),
+                       [batch * seq, hidden])
+      x = x + tf.nn.bias_add(tf.linalg.matmul(ctx, weight(hidden, hidden)), weight(hidden))
+      h = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 4 * hidden)),
+                         weight(4 * hidden))
+      h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+      x = x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
+                             weight(hidden))
+    logits = tf.linalg.matmul(norm(x), weight(hidden, vocab))
+    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+        labels=labels, logits=logits))
+    for w, grad in zip(weights, tf.gradients(loss, weights)):
+      m, v = feed(w.shape), feed(w.shape)
+      m = 0.9 * m + 0.1 * grad
+      v = 0.999 * v + 0.001 * tf.square(grad)
+      tf.identity(w - 1e-3 * m / (tf.sqrt(v) + 1e-7))
+  return g.as_graph_def()
+
+
+def training_steps(repeats, traced, say=None):
+  """[(graph, shapes, Profile)] of the small training steps of
+  _TRAINING_STEPS, each run (untraced and traced) by profile_graph."""
+  out = []
+  for blocks, batch, seq, hidden in _TRAINING_STEPS:
+    if say:
+      say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}")
+    graph_def = _training_graph(blocks, batch, seq, hidden)
+    graph = Graph(graph_def)
+    out.append((graph, infer_shapes(graph, []),
+                profile_graph(graph_def, repeats=2 * repeats, traced=traced)))
+  return out
+
+
+def in_step_points(steps):
+  """{signature: (op, NodeCost, median traced seconds)} of the ops of the
+  training steps, as they run inside a step."""
+  samples, costs = collections.defaultdict(list), {}
+  for graph, shapes, profile in steps:
+    for node in graph.nodes:
+      times = profile.node_times.get(node.name)
+      cost = op_cost.node_cost(node, shapes, graph)
+      if not times or cost.comm:
+        continue
+      sig = op_cost.signature(node, shapes)
+      samples[sig].extend(times)
+      costs[sig] = (node.op, cost)
+  return {sig: (costs[sig][0], costs[sig][1], statistics.median(v))
+          for sig, v in samples.items()}
+
+
+def step_scale(table, steps, cluster):
+  """(scale s, overhead per op d) of ops inside a training step: the
+  untraced step times of `steps` (training_steps) against the table's time
+  for their ops, step = s * ops' times + table.step_overhead, s the ratio
+  of the sums (one number, which the noise of one step cannot swing). The
+  lines were fitted on the ops' times inside such steps, so the per-op gap
+  is in them and d is 0; s takes out what tracing adds and what running
+  ops side by side saves."""
+  model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
+  total = predicted = 0.0
+  for graph, shapes, profile in steps:
+    ops, seconds = 0, 0.0
+    for node in graph.nodes:
+      if node.name not in profile.node_times:
+        continue   # folded or fused away: it does not run
+      seconds += model.compute_time(op_cost.node_cost(node, shapes, graph), 0, None)
+      ops += 1
+    logging.info("training step: %.3f ms, %d ops, %.3f ms by the lines",
+                 profile.step_time * 1e3, ops, seconds * 1e3)
+    total += max(0.0, profile.step_time - table.step_overhead)
+    predicted += seconds
+  return (total / predicted if predicted > 0 and total > 0 else 1.0), 0.0
+
+
+def _devices_graph(kind, length):
+  """A graph over 2 logical CPUs whose time grows by one unit per `length`:
+
+    'one'        a chain of medium elementwise ops on CPU:0
+    'two'        the same chain on CPU:0 and another on CPU:1 (how much of
+                 two devices' work overlaps on this machine's cores)
+    'collective' a chain of all-reduces of a small tensor over both
+    'transfer'   a chain of small ops alternating between the two devices
+  """
+  g = tf.Graph()
+  with g.as_default():
+    size = 16 if kind in ("collective", "transfer") else _CONCURRENCY_SIZE
+    x = tf.compat.v1.placeholder(tf.float32, [size])
+    consts = []
+    for d in range(2):
+      with tf.device(f"/device:CPU:{d}"):
+        consts.append(tf.constant(np.linspace(0.5, 1.0, size, dtype=np.float32)))
+    if kind in ("one", "two"):
+      for d in range(1 if kind == "one" else 2):
+        with tf.device(f"/device:CPU:{d}"):
+          y = tf.identity(x)
+          for i in range(length):
+            y = tf.maximum(y, consts[d]) if i % 2 else tf.multiply(y, consts[d])
+    elif kind == "collective":
+      ys = []
+      for d in range(2):
+        with tf.device(f"/device:CPU:{d}"):
+          ys.append(tf.identity(x))
+      for i in range(length):
+        for d in range(2):
+          with tf.device(f"/device:CPU:{d}"):
+            ys[d] = tf.raw_ops.CollectiveReduceV2(
+                input=ys[d], group_size=2, group_key=1, instance_key=i + 1,
+                ordering_token=[], merge_op="Add", final_op="Id",
+                communication_hint="auto", timeout_seconds=0.0)
+    else:
+      y = x
+      for i in range(length):
+        with tf.device(f"/device:CPU:{i % 2}"):
+          y = tf.maximum(y, consts[i % 2]) if (i // 2) % 2 else \
+              tf.multiply(y, consts[i % 2])
+  return g.as_graph_def()
+
+
+def _session_seconds(graph_def, repeats):
+  """Median seconds of an untraced Session run of `graph_def` (every op)."""
+  graph = Graph(graph_def)
+  tf_graph, _, feeds, _ = _session_graph(graph_def, graph, np.random.default_rng(0))
+  fetches = [tf_graph.get_operation_by_name(n.name) for n in graph.nodes
+             if not graph.consumers(n.name)]
+  config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+  config.device_count["CPU"] = 2
+  times = []
+  with tf.compat.v1.Session(graph=tf_graph, config=config) as sess:
+    for _ in range(3):
+      sess.run(fetches, feeds)
+    for _ in range(repeats):
+      t0 = time.perf_counter()
+      sess.run(fetches, feeds)
+      times.append(time.perf_counter() - t0)
+  return statistics.median(times)
+
+
+def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3):
+  """Seconds one more unit of _devices_graph(kind) adds: the median over
+  `trials` of the slope between two lengths, each the median of `repeats`
+  runs (the runs of the two lengths interleaved)."""
+  graphs = [_devices_graph(kind, n) for n in lengths]
+  slopes = []
+  for _ in range(trials):
+    short, long = (_session_seconds(g, repeats) for g in graphs)
+    slopes.append((long - short) / (lengths[1] - lengths[0]))
+  return max(0.0, statistics.median(slopes))
+
+
+def device_benchmark(repeats=10):
+  """(concurrency, seconds per collective, seconds per transfer) of two
+  logical CPUs of this process, from chains of ops timed untraced.
+
+  concurrency: two devices' work over the time it takes them together (2:
+  they run in parallel; 1: one after the other, as logical CPUs sharing a
+  machine's cores do), at least 1.
+  """
+  # The ratio per trial, one and two taken in turn: load that comes and
+  # goes then moves both alike.
+  ratios = []
+  for _ in range(5):
+    one = _unit_seconds("one", repeats, trials=1)
+    two = _unit_seconds("two", repeats, trials=1)
+    ratios.append(2 * one / two if two > 0 else 1.0)
+  concurrency = min(2.0, max(1.0, statistics.median(ratios)))
+  return (concurrency, _unit_seconds("collective", repeats),
+          _unit_seconds("transfer", repeats))
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
@@ -319,6 +623,13 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table = op_cost.CostTable(machine=machine_info())
   table.time_scale, table.op_overhead, table.step_overhead = \
       fit_step_model(runs)
+  # The launch cost of a step, measured directly (a call of a 2-op graph):
+  # the intercept of the chains' fit swings by milliseconds with the noise.
+  launch = _dispatch_graph(2)
+  table.step_overhead = _function_step_time(launch, Graph(launch), 3 * repeats, 0)
+  say("logical devices: concurrency, collectives, transfers")
+  (table.concurrency, table.collective_overhead,
+   table.transfer_overhead) = device_benchmark(repeats)
   costs = {}
   best_flops = best_bw = 0.0
   for node in graph.nodes:
@@ -355,6 +666,32 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
                                   {"float32": table.flops or 1e10})],
                           [Host("h", LOCAL, LOCAL)], name="this machine")
   model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
-  table.fit_factors({sig: (op, model.roofline(cost))
-                     for sig, (op, cost) in costs.items()})
+  # Ops inside a step wait for the cores other ops hold: the op types the
+  # small training steps run are fitted on their times there, the others
+  # on the chains. The steps' entries stay out of the table: only the lines
+  # (fixed + factor * roofline) carry over to other shapes.
+  steps = training_steps(repeats, traced, say)
+  points = in_step_points(steps)
+  in_step = {op for op, _, _ in points.values()}
+  fit = {sig: (op, model.roofline(cost), table.entries[sig])
+         for sig, (op, cost) in costs.items()
+         if op not in in_step and sig in table.entries}
+  fit.update({sig: (op, model.roofline(cost), seconds)
+              for sig, (op, cost, seconds) in points.items()})
+  # Fitted on traced times as they are: step_scale then scales the lines to
+  # untraced steps in one number (time_scale, from the chains' fit, swings
+  # with the noise, and step_scale would only undo it).
+  chain_overhead, table.op_overhead = table.op_overhead, 0.0
+  time_scale, table.time_scale = table.time_scale, 1.0
+  # The fixed time of a call is what it costs alone (the chains); what a
+  # step adds to an op grows with the op (waiting for threads it would
+  # split its work over), so the in-step times fit only the factor.
+  table.fit_factors({sig: (op, model.roofline(cost)) for sig, (op, cost) in costs.items()})
+  alone = dict(table.op_fixed)
+  alone.update({op: table.default_fixed for op in in_step if op not in alone})
+  table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
+                    seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
+  table.time_scale = time_scale
+  table.graph_scale, table.op_overhead = step_scale(table, steps, cluster)
+  table.machine["chain_op_overhead"] = chain_overhead
   return table

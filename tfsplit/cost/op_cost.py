@@ -14,8 +14,15 @@ CostModel turns that into time on a device of a ClusterSpec:
 
 A CostTable (written by `tfsplit calibrate`) holds times measured on a real
 machine. A measured entry for the node's op and shapes wins over the model;
-otherwise the table's per-op-type efficiency factor and per-op overhead
-correct the roofline (Alpa's rule: measured costs override analytic ones).
+otherwise each op type's fitted line, a fixed time per call plus an
+efficiency factor times the roofline, corrects the roofline (Alpa's rule:
+measured costs override analytic ones). The fixed part matters on CPUs:
+a small Transpose or BatchMatMul costs tens of microseconds whatever its
+size (kernel set-up, the intra-op thread pool), and it does not shrink when
+a split makes the tensors smaller. The table also holds what a step on
+this machine's logical devices pays apart from kernels: how many devices
+run at once (they share the machine's cores), and the fixed cost of one
+collective and of one cross-device transfer.
 """
 import dataclasses
 import json
@@ -237,6 +244,16 @@ class CostTable:
   step_overhead: seconds every step costs before its first op (launch).
   flops / bandwidth: the machine's measured best MatMul FLOP/s and copy
     bytes/s; the roofline of a calibrated device uses these.
+  op_fixed: op type -> seconds per call that do not scale with its tensors
+    (the intercept of its fitted line); default_fixed for other op types.
+  graph_scale: a whole training step's time over the sum of its ops' times
+    by the fitted lines (gaps between ops, ops side by side on the cores);
+    scales the lines.
+  concurrency: how many of this machine's logical devices compute at once
+    (they share its cores); None: devices are independent.
+  collective_overhead: seconds of one collective (one group's all-reduce of
+    a small tensor) between logical devices; transfer_overhead: seconds of
+    one tensor sent to another logical device.
   """
   entries: dict = dataclasses.field(default_factory=dict)
   op_factor: dict = dataclasses.field(default_factory=dict)
@@ -247,6 +264,16 @@ class CostTable:
   flops: float = None
   bandwidth: float = None
   machine: dict = dataclasses.field(default_factory=dict)
+  op_fixed: dict = dataclasses.field(default_factory=dict)
+  default_fixed: float = 0.0
+  graph_scale: float = 1.0
+  concurrency: float = None
+  collective_overhead: float = 0.0
+  transfer_overhead: float = 0.0
+
+  def fixed(self, op):
+    """Seconds of an op type's call that do not scale with its tensors."""
+    return self.op_fixed.get(op, self.default_fixed)
 
   def lookup(self, sig):
     """Seconds for a measured signature (None if not measured).
@@ -265,6 +292,12 @@ class CostTable:
             "step_overhead": self.step_overhead,
             "default_factor": self.default_factor,
             "op_factor": dict(sorted(self.op_factor.items())),
+            "default_fixed": self.default_fixed,
+            "op_fixed": dict(sorted(self.op_fixed.items())),
+            "graph_scale": self.graph_scale,
+            "concurrency": self.concurrency,
+            "collective_overhead": self.collective_overhead,
+            "transfer_overhead": self.transfer_overhead,
             "entries": dict(sorted(self.entries.items()))}
 
   def save(self, path):
@@ -295,28 +328,83 @@ class CostTable:
                  time_scale=float(obj["time_scale"]),
                  step_overhead=float(obj.get("step_overhead", 0.0)),
                  flops=obj.get("flops"), bandwidth=obj.get("bandwidth"),
-                 machine=dict(obj.get("machine") or {}))
+                 machine=dict(obj.get("machine") or {}),
+                 op_fixed={str(k): float(v)
+                           for k, v in (obj.get("op_fixed") or {}).items()},
+                 default_fixed=float(obj.get("default_fixed", 0.0)),
+                 graph_scale=float(obj.get("graph_scale", 1.0)),
+                 concurrency=(float(obj["concurrency"]) if obj.get("concurrency")
+                              else None),
+                 collective_overhead=float(obj.get("collective_overhead", 0.0)),
+                 transfer_overhead=float(obj.get("transfer_overhead", 0.0)))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise CostTableError(f"calibration table '{path}': malformed ({e}); "
                            "rerun 'tfsplit calibrate'") from None
 
-  def fit_factors(self, costs):
-    """Sets op_factor / default_factor from measured entries.
+  def fit_factors(self, costs, seconds=None, fixed=None):
+    """Sets op_factor / op_fixed and their defaults from measured entries.
 
     costs: signature -> (op, roofline seconds) for the measured signatures.
+    Per op type, seconds = fixed + factor * roofline, fitted by least squares
+    over its measured sizes (both kept >= 0); one size gives the ratio alone.
+    seconds: signature -> measured seconds to fit instead of the entries.
+    fixed: op type -> fixed seconds to keep (only the factor is fitted).
     """
     by_op = {}
-    for sig, seconds in self.entries.items():
+    for sig, measured in (self.entries if seconds is None else seconds).items():
       if sig not in costs:
         continue
       op, roof = costs[sig]
       if roof <= 0:
         continue
-      work = max(seconds * self.time_scale - self.op_overhead, 0.0)
-      by_op.setdefault(op, []).append(work / roof)
-    self.op_factor = {op: statistics.median(v) for op, v in by_op.items()}
+      work = max(measured * self.time_scale - self.op_overhead, 0.0)
+      by_op.setdefault(op, []).append((roof, work))
+    self.op_factor, self.op_fixed = {}, {}
+    for op, points in by_op.items():
+      if fixed is not None and op in fixed:
+        self.op_fixed[op] = fixed[op]
+        self.op_factor[op] = _fit_factor(points, fixed[op])
+      else:
+        self.op_fixed[op], self.op_factor[op] = _fit_line(points)
     if self.op_factor:
       self.default_factor = statistics.median(self.op_factor.values())
+      self.default_fixed = statistics.median(self.op_fixed.values())
+
+
+def _fit_factor(points, fixed):
+  """factor >= 0 of seconds = fixed + factor * roofline, relative least
+  squares over (roofline, seconds) points."""
+  w = [1.0 / max(t, 1e-9) for _, t in points]
+  num = sum(x * x * r * (t - fixed) for x, (r, t) in zip(w, points))
+  den = sum(x * x * r * r for x, (r, _) in zip(w, points))
+  return max(0.0, num / den) if den > 0 else 0.0
+
+
+def _fit_line(points):
+  """(fixed, factor) >= 0 of seconds = fixed + factor * roofline over
+  (roofline, seconds) points, least squares relative to each point (small
+  and large sizes count alike)."""
+  if len({r for r, _ in points}) < 2:
+    return 0.0, statistics.median(w / r for r, w in points)
+  # Weighted by 1 / seconds: minimise the relative error.
+  w = [1.0 / max(t, 1e-9) for _, t in points]
+  sww = sum(x * x for x in w)
+  swr = sum(x * x * r for x, (r, _) in zip(w, points))
+  srr = sum(x * x * r * r for x, (r, _) in zip(w, points))
+  swt = sum(x * x * t for x, (_, t) in zip(w, points))
+  srt = sum(x * x * r * t for x, (r, t) in zip(w, points))
+  det = sww * srr - swr * swr
+  if det > 0:
+    fixed = (swt * srr - swr * srt) / det
+    factor = (sww * srt - swr * swt) / det
+    if fixed >= 0 and factor >= 0:
+      return fixed, factor
+  # A bound is active: the better of a line through 0 and a constant.
+  factor = srt / srr
+  fixed = swt / sww
+  err_factor = sum(x * x * (t - factor * r) ** 2 for x, (r, t) in zip(w, points))
+  err_fixed = sum(x * x * (t - fixed) ** 2 for x, (_, t) in zip(w, points))
+  return (0.0, factor) if err_factor <= err_fixed else (fixed, 0.0)
 
 
 class CostModel:
@@ -365,7 +453,20 @@ class CostModel:
     if self.table is None:
       return self.op_overhead + roof
     factor = self.table.op_factor.get(cost.op, self.table.default_factor)
-    return self.op_overhead + factor * roof
+    # Views and metadata ops (no roofline time) launch no kernel to set up.
+    fixed = self.table.fixed(cost.op) if roof > 0 else 0.0
+    return self.op_overhead + self.table.graph_scale * (fixed + factor * roof)
+
+  def compute_parts(self, cost, device=0, sig=None):
+    """(fixed, scaling) seconds of compute_time: the part paid per call
+    whatever the tensor sizes (per-op overhead and the op type's fixed
+    time), and the part that grows with the tensors (the batch)."""
+    seconds = self.compute_time(cost, device, sig)
+    fixed = self.op_overhead
+    if self.table is not None and (cost.flops or cost.bytes_moved):
+      fixed += self.table.graph_scale * self.table.fixed(cost.op)
+    fixed = min(fixed, seconds)
+    return fixed, seconds - fixed
 
   def comm_time(self, kind, group, nbytes):
     """Seconds of collective `kind` over device indices `group`."""

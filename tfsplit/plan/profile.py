@@ -5,13 +5,18 @@ tractable. A ModelProfile holds, per model layer (the layers with parameters
 of tfsplit.graph.layers, the units a pipeline cuts), at the graph's global
 batch on one device of the cluster:
 
-  forward / backward   seconds of its ops (tfsplit.cost.layer_cost: layers
-                       without parameters, such as the loss, join the layer
-                       before them), split between forward and backward by
-                       the layer's FLOPs; the per-op overhead of a calibrated
-                       cost model is kept apart (forward_fixed /
-                       backward_fixed): it does not shrink with the batch
-  update               seconds of its optimizer update ops
+  forward / backward   seconds of its ops (layers without parameters, such
+                       as the loss, join the layer before them), split
+                       between forward and backward by the layer's FLOPs;
+                       the part of each op's time that does not shrink with
+                       the batch (the per-op overhead and, with a calibration
+                       table, its op type's fixed time) is kept apart
+                       (forward_fixed / backward_fixed)
+  update               seconds of its optimizer update ops, and of its ops
+                       that read nothing computed from the batch (they run
+                       once per step, not per micro-batch); update_fixed
+  variables, tp_collectives   its weight tensors, and its matrices (an
+                       all-reduce each when split over tp)
   params / slots       bytes of its weights and of their optimizer state
   activations          bytes its backward pass reads (kept, or recomputed)
   input_bytes          bytes of the forward tensors entering it (what a
@@ -22,7 +27,9 @@ batch on one device of the cluster:
                        layers (embedding, head) stay replicated
 
 and, per cut between layers k and k + 1, the bytes of forward activations
-crossing it. Everything but the per-op overhead scales linearly with the
+crossing it. A calibration table made on this machine adds what its
+logical devices pay apart from ops (concurrency, collective and transfer
+overheads: see space.py). Everything but the per-op overhead scales linearly with the
 batch, so a candidate's micro-batch only rescales the row. `from_graph` measures a GraphDef;
 `synthetic_gpt` builds the same table from a GPT's sizes (benchmarks of
 models too large to trace here).
@@ -50,6 +57,12 @@ class LayerRow:
   # whatever the micro-batch size (a calibrated cost model's op_overhead).
   forward_fixed: float = 0.0
   backward_fixed: float = 0.0
+  update_fixed: float = 0.0  # the part of `update` that ZeRO's sharding keeps
+  variables: int = 0        # weight tensors (ZeRO gathers each one)
+  # All-reduces per micro-batch when split over tp: one per weight matrix (a
+  # column-parallel matrix all-reduces its input's gradient, a row-parallel
+  # one its output), 4 in a transformer block.
+  tp_collectives: int = 4
 
 
 @dataclasses.dataclass
@@ -61,6 +74,13 @@ class ModelProfile:
   static_bytes: int = 0     # inputs and constants, on every device
   step_overhead: float = 0.0  # seconds every step costs before its first op
   source: Optional[str] = None
+  # Logical devices sharing one machine's cores (a calibration table's
+  # measurements): how many compute at once (None: every device is its own
+  # hardware), and the fixed seconds of one collective and of one tensor
+  # sent between devices.
+  concurrency: Optional[float] = None
+  collective_overhead: float = 0.0
+  transfer_overhead: float = 0.0
 
   def __post_init__(self):
     if not self.layers:
@@ -136,7 +156,6 @@ def from_analysis(analysis, cost_model, source=None):
   if not model:
     raise PlanError(f"{source or 'the graph'} has no layers with parameters: nothing to "
                     "plan; give a training step that updates weights")
-  seconds = layer_cost.layer_seconds(graph, shapes, report, cost_model)
   cuts = layer_cost.boundary_bytes(graph, shapes, report)
   # Layers without parameters (the loss) run with the model layer before them:
   # their saved activations live there too.
@@ -146,15 +165,34 @@ def from_analysis(analysis, cost_model, source=None):
     if layer.name in owner:
       acts[owner[layer.name]] += layer.activation_bytes
 
-  def update_seconds(names):
-    total = 0.0
+  # Ops that read nothing computed from the batch (weight reads, casts and
+  # transposes of weights, shapes) run once per step, not per micro-batch.
+  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.ir import Graph  # pylint: disable=import-outside-toplevel
+  batch_dependent = set(graph_inputs(graph))
+  for name in graph.topological_order():
+    if any(port >= 0 and src in batch_dependent
+           for src, port in Graph.inputs(graph.node(name))):
+      batch_dependent.add(name)
+
+  def parts(names, per_step=None):
+    """(fixed, total) seconds of the compute ops among `names`; with
+    per_step (a [fixed, total] list), ops that do not depend on the batch
+    go there instead."""
+    fixed = total = 0.0
     for name in names:
       node = graph.node(name)
       cost = op_cost.node_cost(node, shapes, graph)
       if not cost.comm:  # a signature only matters to a table's measured entries
-        total += cost_model.compute_time(cost, 0, op_cost.signature(node, shapes)
-                                         if cost_model.table is not None else None)
-    return total
+        f, w = cost_model.compute_parts(cost, 0, op_cost.signature(node, shapes)
+                                        if cost_model.table is not None else None)
+        if per_step is not None and name not in batch_dependent:
+          per_step[0] += f
+          per_step[1] += f + w
+          continue
+        fixed += f
+        total += f + w
+    return fixed, total
 
   # The repeated blocks have the same ops and parameter shapes: price one
   # block's update for all (the update is most of a training graph's ops).
@@ -162,43 +200,58 @@ def from_analysis(analysis, cost_model, source=None):
 
   def layer_update(layer):
     if not layer.block:
-      return update_seconds(layer.update)
+      return parts(layer.update)
     key = (len(layer.update), layer.param_bytes, layer.slot_bytes)
     if key not in block_update:
-      block_update[key] = update_seconds(layer.update)
+      block_update[key] = parts(layer.update)
     return block_update[key]
 
-  # Ops run per micro-batch: each pays the cost model's per-op overhead.
-  ops = [[0, 0] for _ in model]
+  # Ops run per micro-batch: each pays its fixed time (the per-op overhead
+  # and its op type's set-up) whatever the micro-batch; the rest scales.
+  fixed_f, fixed_b, seconds = [0.0] * len(model), [0.0] * len(model), [0.0] * len(model)
+  once = [[0.0, 0.0] for _ in model]   # per layer: ops that run once per step
   for layer in report.layers:
     if layer.name in owner:
-      ops[owner[layer.name]][0] += len(layer.forward)
-      ops[owner[layer.name]][1] += len(layer.backward)
-  overhead = cost_model.op_overhead
+      k = owner[layer.name]
+      f, total_f = parts(layer.forward, once[k])
+      b, total_b = parts(layer.backward, once[k])
+      fixed_f[k] += f
+      fixed_b[k] += b
+      seconds[k] += total_f + total_b
   var_shape = {v.node: v.shape for v in analysis.variables}
   rows = []
   for k, layer in enumerate(model):
     flops = layer.forward_flops + layer.backward_flops
     fshare = layer.forward_flops / flops if flops else 1 / 3
-    fixed_f, fixed_b = ops[k][0] * overhead, ops[k][1] * overhead
-    work = max(0.0, seconds[k] - fixed_f - fixed_b)
+    work = max(0.0, seconds[k] - fixed_f[k] - fixed_b[k])
+    upd_fixed, upd = layer_update(layer)
+    upd_fixed, upd = upd_fixed + once[k][0], upd + once[k][1]
     rows.append(LayerRow(
         name=layer.name, forward=work * fshare, backward=work * (1 - fshare),
-        forward_fixed=fixed_f, backward_fixed=fixed_b,
-        update=layer_update(layer), params=layer.param_bytes,
+        forward_fixed=fixed_f[k], backward_fixed=fixed_b[k],
+        update=upd, update_fixed=upd_fixed, variables=len(layer.variables),
+        tp_collectives=sum(1 for v in layer.variables
+                           if len(var_shape.get(v) or ()) >= 2),
+        params=layer.param_bytes,
         slots=layer.slot_bytes, activations=acts[k],
         input_bytes=cuts[k - 1] if k > 0 else 0, splittable=layer.block,
         max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables))))
   shared = [l for l in report.layers if not l.variables]
-  other = update_seconds([n for l in shared for n in l.update])
+  _, other = parts([n for l in shared for n in l.update])
+  table = cost_model.table
   # Constants and inputs sit on every device (the memory estimator's static
   # part without the variables, which the rows hold).
   from tfsplit.memory import graph_memory  # pylint: disable=import-outside-toplevel
   whole = graph_memory.static_memory(graph, shapes, [], {}, ["all"])[0]
   return ModelProfile(rows, cuts, global_batch(graph, shapes), other_update=other,
                       static_bytes=whole.constants + whole.inputs,
-                      step_overhead=cost_model.table.step_overhead
-                      if cost_model.table is not None else 0.0, source=source)
+                      step_overhead=table.step_overhead if table is not None else 0.0,
+                      source=source,
+                      concurrency=table.concurrency if table is not None else None,
+                      collective_overhead=table.collective_overhead
+                      if table is not None else 0.0,
+                      transfer_overhead=table.transfer_overhead
+                      if table is not None else 0.0)
 
 
 def from_graph(graph_def, cost_model, source=None):

@@ -27,6 +27,19 @@ over dp (reduce-scatter + all-gather with ZeRO: the same bytes), one per
 25 MiB bucket, the optimizer update (1/dp of it with ZeRO) and, with a
 calibration table, its per-step launch overhead.
 
+On logical devices that share one machine's cores (a profile calibrated
+with a concurrency, as `tfsplit calibrate` measures for this machine's
+logical CPUs) the devices do not compute side by side: the step is at
+least all devices' work over the concurrency, plus the fixed cost of each
+collective (per micro-batch and tensor-parallel group, an all-reduce per
+weight matrix of a split layer, 4 in a transformer block; per step, a
+gradient all-reduce per bucket and group, and with ZeRO an all-gather per
+weight) and of each tensor sent across a stage cut (forward and back, per
+micro-batch and device). Every device pays the fixed time of each of its
+ops (a split layer's ops run on every tp device, a replica's on every dp
+device, each micro-batch's again): that, not the FLOPs, is what splitting
+a small model multiplies.
+
 Per device of stage s: weights and gradients of its layers (1/tp of a
 split layer's), optimizer state (also 1/dp with ZeRO), and the activations
 of the micro-batches in flight, counted as the schedule keeps them
@@ -190,6 +203,8 @@ class Costing(object):
     col = lambda key: np.array([float(getattr(r, key)) for r in rows])  # pylint: disable=unnecessary-lambda-assignment
     self.fwd, self.bwd, self.upd = col("forward"), col("backward"), col("update")
     self.fwd_fixed, self.bwd_fixed = col("forward_fixed"), col("backward_fixed")
+    self.upd_fixed, self.variables = col("update_fixed"), col("variables")
+    self.tp_collectives = col("tp_collectives")
     self.params, self.slots = col("params"), col("slots")
     self.acts, self.inp = col("activations"), col("input_bytes")
     self.split = np.array([r.splittable for r in rows])
@@ -331,12 +346,49 @@ class Costing(object):
     counts = np.array(self.in_flight(c))
     memory = (per_stage(static) + counts * per_stage(kept) / v + stage_again +
               self.profile.static_bytes)
+    step = pipe + sync + update
+    if self.profile.concurrency:
+      recompute = (np.array(recomputed)[chunk_stage] if recomputed is not None
+                   else np.full(len(ranges), c.recompute == "blocks"))
+      step = max(step, self.shared_host_time(c, ranges, recompute))
     return Estimate(candidate=c, ranges=[tuple(r) for r in ranges],
-                    step_time=pipe + sync + update + self.profile.step_overhead,
+                    step_time=step + self.profile.step_overhead,
                     pipeline_time=pipe, sync_time=sync,
                     update_time=update, bubble=bubble,
                     stage_memory=[int(x) for x in memory],
                     stage_time=[float(x) for x in stage_cost], recomputed=recomputed)
+
+  def shared_host_time(self, c, ranges, recompute):
+    """Seconds of a step on logical devices sharing one machine's cores (see
+    the module doc): every device's compute over the concurrency, plus the
+    fixed cost of each collective and transfer. recompute: per chunk."""
+    m, groups = c.microbatches, c.dp * c.tp
+    frac = 1.0 / (c.dp * m)
+    tpdiv = np.where(self.split, c.tp, 1)
+    f = self.fwd * frac / tpdiv + self.fwd_fixed
+    b = self.bwd * frac / tpdiv + self.bwd_fixed
+    again = np.zeros(self.n, dtype=bool)
+    for (j, i), rc in zip(ranges, recompute):
+      again[j:i] = rc
+    per_micro = float((f + b + np.where(again & self.split, f, 0.0)).sum())
+    upd_work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
+    per_step = float((upd_work + self.upd_fixed).sum()) + self.profile.other_update
+    work = groups * (m * per_micro + per_step)
+    launches = 0.0
+    if c.tp > 1:   # per split layer and micro-batch (half again recomputed)
+      per_layer = self.tp_collectives * np.where(again, 1.5, 1.0)
+      launches += c.dp * m * float(np.where(self.split, per_layer, 0.0).sum())
+    if c.dp > 1:
+      for j, i in ranges:
+        grads = float((self.params[j:i] / tpdiv[j:i]).sum())
+        launches += c.tp * max(1, math.ceil(grads / self.bucket_bytes))
+        if c.zero:
+          launches += c.tp * float(self.variables[j:i].sum())
+    crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
+    transfers = 2 * crossing * groups * m
+    return (work / self.profile.concurrency +
+            launches * self.profile.collective_overhead +
+            transfers * self.profile.transfer_overhead)
 
 
 def even_ranges(n, chunks):
