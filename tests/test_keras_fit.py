@@ -147,6 +147,7 @@ def test_steps_per_execution(name):
   check_fit(name, MESHES["tp2"], steps_per_execution=2)
 
 
+@pytest.mark.slow
 def test_a_broken_step_fails_the_check():
   """The comparison catches one wrong shard: the split run's tp shard of one
   kernel nudged by 1e-3 of its size after the first epoch."""
@@ -250,6 +251,7 @@ def test_batch_that_does_not_divide_is_one_line():
   assert "multiple of 8" in message and "drop_remainder=True" in message
 
 
+@pytest.mark.slow
 def test_numpy_inputs_with_a_smaller_last_batch():
   """fit(x, y, batch_size=16) on 40 examples, the Keras default for numpy
   data: the last batch of 8 gets its own split over the same shards, and the
@@ -383,6 +385,7 @@ def test_plan_auto():
       f"{k}={v}" for k, v in split_model.split_step.mesh.axes.items())
 
 
+@pytest.mark.slow
 def test_fit_across_two_worker_processes(tmp_path):
   """dp=2 over 2 worker processes (TF gRPC servers on 127.0.0.1, driven by
   this process): the same history and weights as plain fit; the workers are
@@ -402,6 +405,7 @@ def test_fit_across_two_worker_processes(tmp_path):
     group.stop()
 
 
+@pytest.mark.slow
 def test_replicated_ops_are_reported_by_keras_layer(caplog):
   """An op with no split rule (tf.unique over the data-split batch) runs
   replicated, exactly; fit says so once, naming the Keras layer."""
@@ -423,7 +427,8 @@ def test_replicated_ops_are_reported_by_keras_layer(caplog):
   histories = []
   for split in (False, True):
     model = build()
-    target = tfsplit.keras.split(model, mesh="dp=2") if split else model
+    target = tfsplit.keras.split(model, mesh="dp=2", timeout_seconds=TIMEOUT) if split \
+        else model
     target.compile(optimizer="adam", loss="mse")
     with caplog.at_level("WARNING"):
       histories.append(target.fit(x, y, batch_size=8, epochs=2, verbose=0,
