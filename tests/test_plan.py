@@ -160,8 +160,8 @@ def test_zero_and_recompute_lower_memory_as_modelled():
 
 
 def test_bucket_size_is_the_rewrite_default():
-  from tfsplit.passes.config import DEFAULT_BUCKET_BYTES  # pylint: disable=import-outside-toplevel
-  assert space.DEFAULT_BUCKET_BYTES == DEFAULT_BUCKET_BYTES
+  from tfsplit.passes.config import SplitConfig  # pylint: disable=import-outside-toplevel
+  assert space.DEFAULT_BUCKET_BYTES == SplitConfig.bucket_bytes == 25 * 2**20
 
 
 def test_large_synthetic_gpt_plans_fast():

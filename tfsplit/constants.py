@@ -12,6 +12,10 @@ TENSOR_AXIS = "tp"        # operator splitting (Megatron)
 BATCH_AXES = (DATA_AXIS, MICROBATCH_AXIS)        # what splits the batch, outer first
 NON_MODEL_AXES = (DATA_AXIS, MICROBATCH_AXIS, PIPELINE_AXIS)
 
+# Gradient bucket cap of data-parallel all-reduces (PyTorch DDP's default,
+# 25 MiB): the rewrite's default and what the planner prices.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+
 # --- roles of the nodes of a training step ----------------------------------------
 FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 ROLES = (FORWARD, BACKWARD, UPDATE)

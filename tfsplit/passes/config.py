@@ -17,8 +17,9 @@ from tfsplit.pipeline.schedules import Interleaved
 STRATEGIES = ("megatron", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 BALANCES = ("cost", "flops")
-# Gradient bucket cap (PyTorch DDP's default, 25 MiB).
-DEFAULT_BUCKET_BYTES = 25 * 2**20
+# The gradient bucket cap lives in constants (the planner prices it without
+# importing the passes); passes.config.DEFAULT_BUCKET_BYTES stays its name here.
+DEFAULT_BUCKET_BYTES = constants.DEFAULT_BUCKET_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,6 +55,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
+from tfsplit.constants import DEFAULT_BUCKET_BYTES
 from tfsplit.cost import collectives
 from tfsplit.cost.pipeline_sim import theoretical_peak_activations
 
@@ -63,9 +64,6 @@ from tfsplit.cost.pipeline_sim import theoretical_peak_activations
 RECOMPUTE = ("none", "blocks", "stages")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 VIRTUAL_STAGES = (2, 4)
-# passes.config.DEFAULT_BUCKET_BYTES (a test keeps them equal): importing the
-# passes would import TensorFlow, which planning from sizes alone does not need.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
