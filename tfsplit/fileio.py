@@ -4,6 +4,7 @@ Every file tfsplit writes (graphs, manifests, reports, cost tables, traces,
 charts) goes through `write_atomically`: a temp file in the same folder, then
 os.replace, so a crash or a failed run never leaves a partial file behind.
 """
+import json
 import os
 import tempfile
 
@@ -41,3 +42,16 @@ def require_folder(path):
     raise TfsplitError(f"cannot write '{path}': folder '{directory}' does not "
                        "exist; create it or choose another path")
   return directory
+
+
+def read_json(path, error_cls, missing, unreadable):
+  """The JSON object in file `path`; `error_cls` with `missing` (the file is
+  not there) or `unreadable` (it cannot be read or parsed: formatted with
+  {error}, the reason) as one line otherwise."""
+  try:
+    with open(path, encoding="utf-8") as f:
+      return json.load(f)
+  except FileNotFoundError:
+    raise error_cls(missing) from None
+  except (OSError, ValueError) as e:
+    raise error_cls(unreadable.format(error=str(e).splitlines()[0])) from None

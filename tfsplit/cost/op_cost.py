@@ -30,7 +30,7 @@ import statistics
 
 from tfsplit.cost import collectives
 from tfsplit.errors import ClusterSpecError, CostTableError
-from tfsplit.fileio import write_atomically
+from tfsplit.fileio import read_json, write_atomically
 from tfsplit.graph.flops import op_flops
 
 TABLE_VERSION = 1
@@ -306,16 +306,11 @@ class CostTable:
 
   @classmethod
   def load(cls, path):
-    try:
-      with open(path, encoding="utf-8") as f:
-        obj = json.load(f)
-    except FileNotFoundError:
-      raise CostTableError(f"calibration table '{path}' does not exist; write "
-                           "one with 'tfsplit calibrate -o FILE'") from None
-    except (OSError, ValueError) as e:
-      raise CostTableError(f"cannot read calibration table '{path}': {e}; it "
-                           "must be the JSON 'tfsplit calibrate' writes") \
-          from None
+    obj = read_json(path, CostTableError,
+                    f"calibration table '{path}' does not exist; write "
+                    "one with 'tfsplit calibrate -o FILE'",
+                    f"cannot read calibration table '{path}': {{error}}; it "
+                    "must be the JSON 'tfsplit calibrate' writes")
     if not isinstance(obj, dict) or obj.get("version") != TABLE_VERSION:
       raise CostTableError(f"calibration table '{path}': not a version "
                            f"{TABLE_VERSION} table; rerun 'tfsplit calibrate'")

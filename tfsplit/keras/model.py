@@ -67,9 +67,8 @@ class _Kind(object):
 
 
 def _flat(data):
-  """(flat non-None tensors, structure) of a batch (x, y, sample_weight)."""
-  flat = tf.nest.flatten(data)
-  return [t for t in flat if t is not None], data
+  """The non-None tensors of a batch (x, y, sample_weight), flattened."""
+  return [t for t in tf.nest.flatten(data) if t is not None]
 
 
 def _unflatten(structure, tensors):
@@ -131,7 +130,7 @@ class SplitModelMixin(object):
     (before that: None, the plain model runs)."""
     state = self._tfsplit
     kind = state.kinds[kind_name]
-    flat, structure = _flat(data)
+    flat = _flat(data)
     key = tuple((tuple(t.shape), t.dtype) for t in flat)
     if key in kind.steps:
       return kind.steps[key], flat
@@ -139,7 +138,7 @@ class SplitModelMixin(object):
       return None, flat
     self._check_batch(data[0])
     if kind.trace is None:
-      self._prepare(kind_name, data, structure)
+      self._prepare(kind_name, data)
     signature = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
     concrete = kind.trace.get_concrete_function(*signature)
     try:
@@ -166,14 +165,14 @@ class SplitModelMixin(object):
     kind.steps[key] = step
     return step, flat
 
-  def _prepare(self, kind_name, data, structure):
+  def _prepare(self, kind_name, data):
     """The tf.function every split of one kind is traced from; for training
     also what all kinds share: the variable names, and the metric variables
     whose updates are dropped from the split graphs."""
     state, flavor = self._tfsplit, self._tfsplit.flavor
     kind = state.kinds[kind_name]
     x = data[0]
-    kind.structure = structure
+    kind.structure = data
     if kind_name == "train":
       if not self.model.built:
         self.model(x, training=False)
@@ -195,7 +194,7 @@ class SplitModelMixin(object):
     kind.trace = tf.function(step)
     # Tracing once creates what the trace itself builds (tf_keras' loss
     # metric) before the metric variables are listed.
-    flat, _ = _flat(structure)
+    flat = _flat(data)
     kind.trace.get_concrete_function(*[tf.TensorSpec(t.shape, t.dtype) for t in flat])
     if kind_name != "train":
       return

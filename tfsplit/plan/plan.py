@@ -21,7 +21,7 @@ import math
 from typing import List, Optional, Tuple
 
 from tfsplit.errors import PlanError, TfsplitError
-from tfsplit.fileio import write_atomically
+from tfsplit.fileio import read_json, write_atomically
 from tfsplit.plan import space
 
 FORMAT = "tfsplit-plan"
@@ -232,13 +232,9 @@ def _ranges(value, n, chunks, source):
 
 def read(path):
   """The Plan in JSON file `path`."""
-  try:
-    with open(path, encoding="utf-8") as f:
-      obj = json.load(f)
-  except FileNotFoundError:
-    raise PlanError(f"plan '{path}' does not exist; write one with 'tfsplit plan GRAPH "
-                    "-o plan.json'") from None
-  except (OSError, ValueError) as e:
-    raise PlanError(f"cannot read plan '{path}': {str(e).splitlines()[0]}; it must be "
-                    "a JSON file written by 'tfsplit plan'") from None
+  obj = read_json(path, PlanError,
+                  f"plan '{path}' does not exist; write one with 'tfsplit plan GRAPH "
+                  "-o plan.json'",
+                  f"cannot read plan '{path}': {{error}}; it must be "
+                  "a JSON file written by 'tfsplit plan'")
   return from_json(obj, source=str(path))
