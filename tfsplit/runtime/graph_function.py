@@ -70,11 +70,38 @@ def grappler_config(graph_def, config):
   step on CPU) to remove under 1% more nodes; the step then runs as fast.
   """
   rewrite = config.graph_options.rewrite_options
+  split = is_split(graph_def)
   if has_schedule(graph_def) or (
       rewrite.meta_optimizer_iterations == rewriter_config_pb2.RewriterConfig.DEFAULT_NUM_ITERS
-      and is_split(graph_def)):
+      and split):
     rewrite.meta_optimizer_iterations = rewriter_config_pb2.RewriterConfig.ONE
+  if split:
+    _skip_idle_optimizers(graph_def, rewrite)
   return config
+
+
+def _skip_idle_optimizers(graph_def, rewrite):
+  """Turns off, in `rewrite` (a RewriterConfig), the Grappler optimizers that
+  find nothing to change on a split graph but walk all of it before its first
+  step: on a 12-block GPT at tp=2 (17k nodes) they took 2.7 of Grappler's 6 s
+  and changed no node. Settings the caller made (not DEFAULT) are kept.
+
+  - The TFG (MLIR) passes: shape inference, topological sort and control-flow
+    sinking; a split graph is already sorted and has no control flow to sink.
+  - Without a GPU in the graph: the layout optimizer (it converts layouts
+    for GPUs only unless `cpu_layout_conversion` asks) and the memory
+    optimizer (its swapping targets GPU memory; on the host, tfsplit's own
+    recompute and offload passes are the memory rewrites the user chose).
+  """
+  default = rewriter_config_pb2.RewriterConfig
+  rewrite.disable_tfg_optimizer = True
+  if any("GPU" in node.device.upper() for node in graph_def.node):
+    return
+  if rewrite.layout_optimizer == default.DEFAULT and (
+      rewrite.cpu_layout_conversion == default.NO_CONVERSION_ON_CPU):
+    rewrite.layout_optimizer = default.OFF
+  if rewrite.memory_optimization == default.DEFAULT_MEM_OPT:
+    rewrite.memory_optimization = default.NO_MEM_OPT
 
 
 class GraphFunction(object):
