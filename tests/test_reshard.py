@@ -131,3 +131,6 @@ def test_reduce_scatter_on_gpus():
   ops = [n.op for n in b.graph_def.node]
   assert ops.count("CollectiveReduceScatterV2") == 2 and "CollectiveReduceV2" not in ops
   assert [c.kind for c in r.collectives] == ["reduce_scatter"]
+  # TF's "auto" would run its ring implementation on GPUs: the op asks for NCCL.
+  assert {n.attr["communication_hint"].s for n in b.graph_def.node
+          if n.op.startswith("Collective")} == {b"nccl"}

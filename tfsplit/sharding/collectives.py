@@ -40,12 +40,23 @@ def _template(op):
   return node.SerializeToString()
 
 
+def communication_hint(device):
+  """The implementation a collective on `device` asks for: NCCL on a GPU.
+
+  TF's collectives use NCCL only when the hint or the session's ConfigProto
+  (`experimental.collective_nccl`) asks for it; "auto" runs TF's ring
+  implementation on GPUs too, staging through host memory. A build without
+  NCCL (TF's CPU wheel) falls back to the ring for "nccl"."""
+  return "nccl" if "GPU" in device.upper() else "auto"
+
+
 def collective_node(op, name, device, inputs, dtype_enum, timeout_seconds=None):
   """A collective NodeDef; `inputs` = [tensor, group_size, group_key, instance_key]."""
   node = node_def_pb2.NodeDef()
   node.ParseFromString(_template(op))
   node.name = name
   node.device = device
+  node.attr["communication_hint"].s = communication_hint(device).encode()
   del node.input[:]
   node.input.extend(inputs)
   node.attr["T"].type = dtype_enum
