@@ -1,6 +1,7 @@
 """The planner: its search against exhaustive enumeration, plans that fit a
 memory cap and train exactly once applied, the plan file, and every bad input
 as one line with exit code 2."""
+import dataclasses
 import json
 import os
 import random
@@ -15,12 +16,13 @@ from tfsplit.cost import cluster as cluster_lib
 from tfsplit.errors import PlanError
 from tfsplit.graph import load_graph
 from tfsplit.pipeline import partition
+from tfsplit.plan import plan as plan_json
 from tfsplit.plan import profile as profile_lib
 from tfsplit.plan import search as search_lib
 from tfsplit.plan import space
 from tfsplit.units import format_bytes
 
-from _util import check_training, example
+from _util import check_training, example, names, training_report
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _PROFILES = {}
@@ -58,14 +60,16 @@ def _one_line_error(code, out, err, command, *needles):
 
 
 # --- the search against exhaustive enumeration ----------------------------------------
-def _synthetic(n=9, seed=3):
-  """A model with uneven layers, for cuts that matter."""
+def _synthetic(n=9, seed=3, compute=1.0, input_bytes=10**8):
+  """A model with uneven layers, for cuts that matter; `compute` scales
+  their forward and backward times."""
   rng = random.Random(seed)
   rows = [profile_lib.LayerRow(
-      name=f"layer_{i}", forward=rng.uniform(1e-4, 4e-4), backward=rng.uniform(2e-4, 8e-4),
+      name=f"layer_{i}", forward=compute * rng.uniform(1e-4, 4e-4),
+      backward=compute * rng.uniform(2e-4, 8e-4),
       update=rng.uniform(1e-6, 1e-5), params=rng.randint(1, 8) * 10**8,
       slots=rng.randint(2, 16) * 10**8, activations=rng.randint(1, 6) * 10**9,
-      input_bytes=10**8, splittable=0 < i < n - 1) for i in range(n)]
+      input_bytes=input_bytes, splittable=0 < i < n - 1) for i in range(n)]
   return profile_lib.ModelProfile(rows, [rng.randint(1, 3) * 10**8 for _ in range(n - 1)],
                                   batch=32)
 
@@ -102,7 +106,9 @@ def test_search_within_5_percent_of_exhaustive_on_examples(name, preset):
 
 @pytest.mark.parametrize("devices", [4, 8])
 def test_search_within_5_percent_of_exhaustive_on_uneven_layers(devices):
-  profile = _synthetic()
+  # Layers heavy enough that replicating a block seldom pays: exhaustive
+  # enumeration stays a matter of seconds (replicated blocks: the next test).
+  profile = _synthetic(compute=10.0, input_bytes=10**6)
   cluster = cluster_lib.from_preset("h100-80gb", devices)
   unbounded = search_lib.Planner(profile, cluster, devices, None).search()
   for cap in (10**15, (unbounded.smallest.memory + unbounded.best.memory) // 2,
@@ -110,6 +116,80 @@ def test_search_within_5_percent_of_exhaustive_on_uneven_layers(devices):
     found, best = _check_against_exhaustive(profile, cluster, devices, cap)
     # The cut matters on uneven layers: the search is not just lucky.
     assert found.candidate.pp > 1 or best.candidate.pp == 1
+
+
+def test_search_within_5_percent_of_exhaustive_with_replicated_blocks():
+  # Light blocks whose all-reduces cost more than tp saves: the search picks
+  # which to replicate as exhaustive enumeration of every set does, also when
+  # the cap leaves room for only some (or, at the smallest, none).
+  profile = _synthetic(n=5)
+  cluster = cluster_lib.from_preset("h100-80gb", 4)
+  unbounded = search_lib.Planner(profile, cluster, 4, None).search()
+  assert unbounded.best.candidate.replicate
+  for cap in (10**15, (unbounded.smallest.memory + unbounded.best.memory) // 2,
+              int(unbounded.smallest.memory * 1.05)):
+    assert _check_against_exhaustive(profile, cluster, 4, cap) is not None
+
+
+def _two_blocks(tiny_params=10**6):
+  """A tiny block (little compute, a wide input: its all-reduces cost more
+  than its compute) and a large one, on one replica (batch 1) that a pipeline
+  cut would not pay for (huge activations cross it)."""
+  rows = [profile_lib.LayerRow("tiny", 1e-6, 2e-6, 1e-7, tiny_params, 2 * tiny_params,
+                               10**6, 10**9, True),
+          profile_lib.LayerRow("large", 1.0, 2.0, 1e-3, 10**10, 2 * 10**10, 10**9, 10**9,
+                               True)]
+  return profile_lib.ModelProfile(rows, [10**13], batch=1)
+
+
+def test_replicates_a_block_where_cheaper_and_splits_it_when_memory_forces():
+  cluster = cluster_lib.from_preset("h100-80gb", 2)
+  free = search_lib.Planner(_two_blocks(), cluster, 2, 10**15).search().best
+  assert free.candidate.tp == 2 and free.candidate.replicate == (0,), free.label()
+  split = space.Candidate(1, 2, 1)
+  costing = space.Costing(_two_blocks(), cluster)
+  everything = costing.evaluate(split, [(0, 2)])
+  assert free.step_time < everything.step_time and free.memory > everything.memory
+  # A tiny block with 10 GB of weights: replicated, the devices overflow.
+  heavy = _two_blocks(tiny_params=10**10)
+  costing = space.Costing(heavy, cluster)
+  cap = (costing.evaluate(split, [(0, 2)]).memory +
+         costing.evaluate(dataclasses.replace(split, replicate=(0,)), [(0, 2)]).memory) // 2
+  planner = search_lib.Planner(heavy, cluster, 2, cap)
+  assert planner.replication_gains(split)[0] == [0]   # it would still be faster
+  best = planner.search().best
+  assert best.candidate.tp == 2 and best.candidate.replicate == (), best.label()
+  assert best.step_time > free.step_time * 0.999
+
+
+def _optimizer_heavy():
+  """One layer with 12 bytes of optimizer state per 2 of weights (mixed
+  precision Adam), next to nothing of activations."""
+  rows = [profile_lib.LayerRow("layer", 1e-2, 2e-2, 1e-3, 2 * 10**9, 12 * 10**9, 10**6, 0,
+                               False)]
+  return profile_lib.ModelProfile(rows, [], batch=8)
+
+
+def test_offloads_only_when_nothing_fits_without():
+  cluster = cluster_lib.from_preset("h100-80gb", 1)
+  costing = space.Costing(_optimizer_heavy(), cluster)
+  kept = costing.evaluate(space.Candidate(1, 1, 1), [(0, 1)])
+  moved = costing.evaluate(space.Candidate(1, 1, 1, offload=True), [(0, 1)])
+  assert moved.memory < kept.memory and moved.step_time > kept.step_time
+  # Gradients to the host and weights back over PCIe, the update there.
+  assert moved.update_time > 2 * 2e9 / space.HOST_LINK.bandwidth
+  plan, _ = plan_lib.plan_profile(_optimizer_heavy(), 1, 10**15, cluster, memory_reserve=0)
+  assert plan.offload is None
+  cap = (kept.memory + moved.memory) // 2
+  plan, result = plan_lib.plan_profile(_optimizer_heavy(), 1, cap, cluster,
+                                       memory_reserve=0)
+  assert plan.offload == "optimizer" and plan.split_options()["offload"] == "optimizer"
+  assert plan_json.from_json(plan.to_json()).offload == "optimizer"
+  best = search_lib.Planner(_optimizer_heavy(), cluster, 1, cap).exhaustive()
+  assert best.candidate.offload and result.best.step_time == pytest.approx(best.step_time)
+  # CPU devices have no host apart from themselves: never offloaded.
+  cpu = cluster_lib.from_preset("cpu-host", 1)
+  assert not space.Costing(_optimizer_heavy(), cpu).can_offload
 
 
 def test_min_max_cut_agrees_with_the_stage_balancer():
@@ -176,8 +256,14 @@ def test_large_synthetic_gpt_plans_fast():
 
 # --- plans that fit, applied, train exactly ---------------------------------------------
 def _fitting_cap(name, fraction, devices=4, cluster="h100-80gb"):
-  """A cap at `fraction` of what plain data parallelism needs."""
-  return int(fraction * _plain_dp_memory(_profile(name, cluster, devices), cluster, devices))
+  """A cap whose part left to plans (the default reserve kept free) is
+  `fraction` of what plain data parallelism needs."""
+  need = fraction * _plain_dp_memory(_profile(name, cluster, devices), cluster, devices)
+  return search_lib.memory_needed(int(need), plan_lib.DEFAULT_RESERVE)
+
+
+def _usable(cap):
+  return search_lib.usable_memory(cap, plan_lib.DEFAULT_RESERVE)
 
 
 @pytest.mark.parametrize("name", ["gpt_raw", pytest.param("gpt_keras3", marks=pytest.mark.slow),
@@ -187,10 +273,11 @@ def test_split_plan_auto_fits_the_cap_and_trains_exactly(name):
   # stages over 2-way tensor parallelism, 2 micro-batches (and the first
   # stage's block recomputed on the Keras models).
   cap = _fitting_cap(name, 0.5)
-  step = check_training(example(name), plan="auto", devices=4, device_memory=cap,
+  step = check_training(example(name), steps=2, plan="auto", devices=4, device_memory=cap,
                         hardware="h100-80gb")
   plan = step.plan
-  assert plan.predicted["per_device_memory"] <= cap
+  assert plan.predicted["per_device_memory"] <= _usable(cap)
+  assert plan.memory_reserve == plan_lib.DEFAULT_RESERVE
   assert plan.mesh != "dp=4" or plan.zero or plan.recompute != "none"
   assert plan.layer_ranges and plan.microbatches > 1  # a pipeline, as this cap needs
   assert str(step.mesh) == plan.mesh
@@ -203,6 +290,12 @@ def test_split_plan_auto_defaults_to_this_process_devices():
   assert step.plan.devices == 4 and step.mesh.size == 4
   assert step.plan.cluster == "cpu-host x4"
   assert step.plan.predicted["step_time"] > 0
+  # This process's logical CPUs are one host: tensor parallelism is tried
+  # among them (the cpu-host preset alone is one server per device).
+  profile = _profile("mlp_raw", "cpu-host", 4)
+  for cluster, tps in ((plan_lib.local_cluster(4), {1, 2, 4}),
+                       (plan_lib.cluster_for("cpu-host", 4), {1})):
+    assert {tp for _, tp, _ in search_lib.Planner(profile, cluster, 4).meshes()} == tps
 
 
 def test_plan_rewrite_verify_on_files(tmp_path, capsys):
@@ -216,8 +309,10 @@ def test_plan_rewrite_verify_on_files(tmp_path, capsys):
                           "--cluster", "h100-80gb", "-o", plan_path], capsys)
   assert code == 0, err
   plan = plan_lib.read(str(plan_path))
-  assert plan.devices == 4 and plan.predicted["per_device_memory"] <= cap
-  assert f"over the {format_bytes(cap)} cap" in text   # why plain dp lost
+  assert plan.devices == 4 and plan.predicted["per_device_memory"] <= _usable(cap)
+  assert f"{format_bytes(cap)} each (10% kept in reserve: plans fit " \
+         f"{format_bytes(_usable(cap))})" in text
+  assert f"over the {format_bytes(_usable(cap))} plans may use" in text  # why plain dp lost
   assert text.splitlines()[4].split()[1] == plan.mesh.split()[0]  # rank 1 is the plan
   assert plan.recompute == ["gpt/block_0"] and plan.layer_ranges == [(0, 2), (2, 5)]
   assert plan.zero == 1 and plan.microbatches == 2
@@ -225,8 +320,94 @@ def test_plan_rewrite_verify_on_files(tmp_path, capsys):
   assert code == 0, err
   assert f"over mesh {plan.mesh}" in text
   assert "recompute" in text and "gpt/block_0" in text
-  report = tfsplit.verify(graph, str(out), str(out)[:-3] + ".manifest.json", steps=3)
+  report = tfsplit.verify(graph, str(out), str(out)[:-3] + ".manifest.json", steps=2)
   assert report.ok, report.table()
+
+
+def _hand_plan(devices, mesh, **fields):
+  """A Plan of the tiny raw GPT written by hand."""
+  layers = plan_lib.model_layer_names(load_graph(_graph("gpt_raw")))
+  return plan_lib.Plan(devices=devices, layers=layers, mesh=mesh, **fields)
+
+
+def _replicating_options():
+  """tp=2 with gpt/block_0 whole on both devices and gpt/block_1 split."""
+  return _hand_plan(2, "tp=2", replicate=["gpt/block_0"]).split_options(
+      load_graph(_graph("gpt_raw")))
+
+
+def test_plan_replicating_one_block_trains_exactly():
+  # split(plan=) turns the plan's replicated blocks into annotations, which
+  # keep the megatron preset off block_0 only.
+  plan = _hand_plan(2, "tp=2", replicate=["gpt/block_0"])
+  step = check_training(example("gpt_raw"), steps=2, plan=plan)
+  sharding = {name: e["sharding"] for name, e in step.manifest.items()}
+  assert not any(sharding["gpt/block_0/mlp/fc1/kernel"])
+  assert any(sharding["gpt/block_1/mlp/fc1/kernel"])
+  assert step.result.count("all_reduce") == 4   # block_1's only (8 with both split)
+
+
+@pytest.mark.slow
+def test_a_stray_replica_of_a_replicated_block_fails_the_comparison():
+  # The replica of block_0 on the second device, changed before training:
+  # its forward feeds block_1's all-reduces, so the losses diverge.
+  ex = example("gpt_raw")
+  broken = tfsplit.split(ex.train_step, input_signature=ex.train_signature,
+                         variable_names=names(ex), **_replicating_options())
+  shard = broken.manifest["gpt/block_0/mlp/fc1/kernel"]["shards"][1]
+  var = broken.variables[shard["name"]]
+  var.assign(var.numpy() * 1.5)
+  report, _ = training_report(broken, ex, ex.make_inputs("train", seed=11), 3)
+  assert not report.ok
+  assert any(c.kind == "output" for c in report.failures), report.table()
+
+
+def test_rewrite_plan_honours_replicated_blocks_and_offload(tmp_path, capsys):
+  plan = _hand_plan(2, "tp=2", replicate=["gpt/block_1"], offload="optimizer")
+  path, out = tmp_path / "plan.json", tmp_path / "out.pb"
+  plan.save(str(path))
+  # GPU device names: the host CPU:0 is apart from the mesh (as on a GPU machine).
+  code, text, err = _cli(["rewrite", _graph("gpt_raw"), "--plan", path, "--devices", "gpu",
+                          "-o", out], capsys)
+  assert code == 0, err
+  manifest = json.loads((tmp_path / "out.manifest.json").read_text())
+  entries = manifest["variables"] if "variables" in manifest else manifest
+  sharding = {name: e["sharding"] for name, e in entries.items()}
+  assert any(sharding["gpt/block_0/mlp/fc1/kernel"])
+  assert not any(sharding["gpt/block_1/mlp/fc1/kernel"])
+  slots = [e for name, e in entries.items() if name.startswith("adam/gpt_block_1_")]
+  assert slots and all("CPU:0" in s["device"] for e in slots for s in e["shards"])
+  code, text, err = _cli(["rewrite", _graph("gpt_raw"), "--plan", path, "--devices", "gpu",
+                          "--offload", "none", "-o", out], capsys)
+  _one_line_error(code, text, err, "rewrite", "the plan offloads the optimizer state")
+
+
+def _offload_plan():
+  """The plan for the tiny raw GPT on one device under a cap that only
+  optimizer offload meets."""
+  profile = _profile("gpt_raw", "h100-80gb", 1)
+  cluster = plan_lib.cluster_for("h100-80gb", 1)
+  without = search_lib.Planner(profile, cluster, 1, None)
+  kept = without.search().smallest.memory
+  costing = space.Costing(profile, cluster)
+  moved = min(costing.evaluate(space.Candidate(1, 1, 1, m, recompute=rc, offload=True),
+                               [(0, costing.n)]).memory
+              for m in space.divisors(profile.batch) for rc in ("none", "blocks"))
+  assert moved < kept
+  plan, _ = plan_lib.plan_profile(profile, 1, (moved + kept) // 2, cluster, memory_reserve=0)
+  return plan
+
+
+@pytest.mark.slow
+def test_offload_plan_trains_exactly():
+  # The mesh on CPU:1, its host CPU:0 apart from it (as a GPU's host).
+  from tfsplit.sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  plan = _offload_plan()
+  assert plan.offload == "optimizer"
+  options = plan.split_options()
+  mesh = mesh_lib.Mesh.parse(options.pop("mesh"), mesh_lib.local_cpu_devices(2)[1:])
+  step = check_training(example("gpt_raw"), mesh=mesh, **options)
+  assert step.result.offloaded_nodes
 
 
 def test_plan_simulates_the_rewritten_winner(tmp_path, capsys):
@@ -242,13 +423,14 @@ def test_plan_simulates_the_rewritten_winner(tmp_path, capsys):
 
 
 def test_plan_json_round_trip(tmp_path):
-  profile = _synthetic()
-  plan, result = plan_lib.plan_profile(profile, 8, "10GB", "h100-80gb")
+  profile = _synthetic(n=5)
+  plan, result = plan_lib.plan_profile(profile, 4, "10GB", "h100-80gb")
+  assert plan.replicate and plan.layer_ranges   # light blocks, pipelined to fit
   path = tmp_path / "p.json"
   plan.save(str(path))
   again = plan_lib.read(str(path))
   assert again.to_json() == json.loads(path.read_text())
-  assert again.split_options() == plan.split_options()
+  assert again == plan and again.memory_reserve == plan_lib.DEFAULT_RESERVE
   c = result.best.candidate
   assert again.mesh == c.mesh and again.microbatches == c.microbatches
   assert again.layer_ranges == (result.best.ranges if c.pp > 1 else None)
@@ -262,12 +444,25 @@ def test_model_that_fits_nowhere_names_the_smallest_memory(tmp_path, capsys):
   _one_line_error(code, text, err, "plan", "fits under no plan on 2 devices with 1 KB each",
                   "smallest per-device memory that works is")
   assert not out.exists()
+  assert "(10% kept in reserve)" in err
   profile = _profile("gpt_raw", "h100-80gb", 2)
-  need = search_lib.Planner(profile, plan_lib.cluster_for("h100-80gb", 2), 2).search()
-  assert format_bytes(need.smallest.memory) in err
-  with pytest.raises(PlanError, match="fits under no plan"):
-    plan_lib.plan_profile(profile, 2, need.smallest.memory - 1, "h100-80gb")
-  plan_lib.plan_profile(profile, 2, need.smallest.memory, "h100-80gb")  # just fits
+  # What the message names: the smallest plan found under the cap, and the
+  # reserve beside it (the least memory whose usable part holds that plan).
+  need = search_lib.Planner(profile, plan_lib.cluster_for("h100-80gb", 2), 2, 1000).search()
+  smallest = search_lib.memory_needed(need.smallest.memory, plan_lib.DEFAULT_RESERVE)
+  assert f"works is {format_bytes(smallest)} ({format_bytes(need.smallest.memory)} planned " \
+         "+ 10% reserve" in err
+  assert search_lib.usable_memory(smallest, plan_lib.DEFAULT_RESERVE) >= \
+      need.smallest.memory > search_lib.usable_memory(smallest - 1, plan_lib.DEFAULT_RESERVE)
+  plan, _ = plan_lib.plan_profile(profile, 2, smallest, "h100-80gb")  # it works
+  assert plan.predicted["per_device_memory"] <= need.smallest.memory
+  with pytest.raises(PlanError, match=r"with 1 KB each \(10% kept in reserve\); the "
+                     rf"smallest per-device memory that works is {format_bytes(smallest)}"):
+    plan_lib.plan_profile(profile, 2, 1000, "h100-80gb")
+  # Without a reserve a plan may take all of the memory.
+  with pytest.raises(PlanError, match="works is " + format_bytes(need.smallest.memory)):
+    plan_lib.plan_profile(profile, 2, 1000, "h100-80gb", memory_reserve=0)
+  plan_lib.plan_profile(profile, 2, need.smallest.memory, "h100-80gb", memory_reserve=0)
 
 
 @pytest.mark.parametrize("args,needles", [
@@ -276,6 +471,7 @@ def test_model_that_fits_nowhere_names_the_smallest_memory(tmp_path, capsys):
     (["--devices", 4, "--cluster", "no-such-preset"], ["no-such-preset"]),
     (["--devices", 4, "--device-memory", "lots"], ["cannot read size 'lots'"]),
     (["--devices", 16], ["no mesh over 16 devices suits the model", "batch of 4"]),
+    (["--devices", 2, "--memory-reserve", 1], ["memory reserve", "in [0, 1)"]),
 ])
 def test_plan_flags_errors(args, needles, tmp_path, capsys):
   out = tmp_path / "plan.json"
@@ -304,8 +500,11 @@ def _write_plan(tmp_path, **changes):
     ({"recompute": "sometimes"}, ["field 'recompute' is 'sometimes'"]),
     ({"version": 7}, ["version 7 is not supported"]),
     ({"schedule": "zigzag"}, ["field 'schedule' is 'zigzag'"]),
-    ({"layers": ["gpt/embed", "gpt/block_0", "gpt/block_9", "gpt/ln_f", "gpt/head"]},
-     ["layer 'gpt/block_9' of the plan is not in"]),
+    ({"layers": ["gpt/embed", "gpt/block_0", "gpt/block_9", "gpt/ln_f", "gpt/head"],
+      "replicate": []}, ["layer 'gpt/block_9' of the plan is not in"]),
+    ({"replicate": ["gpt/block_9"]}, ["field 'replicate' lists \"gpt/block_9\""]),
+    ({"offload": "activations"}, ["field 'offload' is 'activations'"]),
+    ({"memory_reserve": 1.5}, ["field 'memory_reserve'", "in [0, 1)"]),
 ])
 def test_rewrite_refuses_a_bad_plan(changes, needles, tmp_path, capsys):
   path = _write_plan(tmp_path, **changes)

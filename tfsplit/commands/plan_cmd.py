@@ -3,7 +3,9 @@ fits the per-device memory.
 
 Searches meshes dp x tp x pp, micro-batch counts, pipeline schedules
 (gpipe, 1f1b, interleaved), stage cuts over the detected layers,
-recomputation of the repeated blocks and optimizer-state sharding, prices
+recomputation of the repeated blocks, optimizer-state sharding, which
+blocks to replicate rather than split over tp, and optimizer offload to the
+host (only where a plan needs it to fit), prices
 each with the cost model on the cluster (--cluster: a hardware preset or a
 cluster spec JSON file; --calibration: measured op times), prints the best
 candidates with their predicted step time, memory per device and pipeline
@@ -13,8 +15,10 @@ bubble, and why the winner won. -o writes the plan as JSON (atomically), for
 
 Sizes are decimal: 16GB = 16e9 bytes (16GiB = 16 * 2**30); a hardware
 preset name (h100-80gb) gives its device memory. Without --device-memory the
-cluster's device memory is the cap. A model that fits under no plan is one
-line with the smallest per-device memory that would work.
+cluster's device memory is the cap. Plans leave --memory-reserve of it free
+(default 10%: workspaces and allocator fragmentation, which the memory
+model does not count). A model that fits under no plan is one line with the
+smallest per-device memory that would work, reserve included.
 """
 import json
 import sys
@@ -25,8 +29,8 @@ from absl import flags
 from tfsplit.commands import common
 from tfsplit.cost import cluster as cluster_lib
 
-USAGE = ("tfsplit plan GRAPH --devices N [--device-memory 16GB] [--cluster PRESET|spec.json] "
-         "[--top 5] [-o plan.json]")
+USAGE = ("tfsplit plan GRAPH --devices N [--device-memory 16GB] [--memory-reserve 0.1] "
+         "[--cluster PRESET|spec.json] [--top 5] [-o plan.json]")
 ARGS = (1, 1)
 _PRESETS = ", ".join(cluster_lib.preset_names())
 
@@ -39,6 +43,9 @@ def define_flags(fv):
   flags.DEFINE_string("device-memory", None, "Memory cap per device, e.g. 16GB (decimal; "
                       "16GiB = 16 * 2**30) or a preset name; default: the cluster's.",
                       flag_values=fv)
+  flags.DEFINE_float("memory-reserve", None, "Fraction of the device memory plans "
+                     "leave free, in [0, 1) (default 0.1): the memory model does not "
+                     "count workspaces or allocator fragmentation.", flag_values=fv)
   flags.DEFINE_string("cluster", "cpu-host", "Hardware: a preset "
                       f"({_PRESETS}) or a cluster spec JSON file with at least N devices.",
                       flag_values=fv)
@@ -77,6 +84,10 @@ def run(fv, args):
   if fv.output:
     from tfsplit.fileio import require_folder  # pylint: disable=import-outside-toplevel
     require_folder(fv.output)  # before any work
+  reserve = fv["memory-reserve"].value
+  reserve = plan_lib.DEFAULT_RESERVE if reserve is None else reserve
+  from tfsplit.plan.search import check_reserve  # pylint: disable=import-outside-toplevel
+  check_reserve(reserve)
   spec = plan_lib.cluster_for(fv.cluster, fv.devices)  # a bad cluster fails first
   cap = plan_lib.memory_cap(fv["device-memory"].value, spec)
   from tfsplit.graph import load_graph, recover  # pylint: disable=import-outside-toplevel
@@ -86,13 +97,13 @@ def run(fv, args):
   profile = plan_lib.profile_graph(graph_def, fv.devices, spec, fv.calibration, source)
   plan, result = plan_lib.plan_profile(profile, fv.devices, cap, spec, top=fv.top,
                                        progress=_progress(), max_tp=fv["max-tp"].value,
-                                       graph=source)
+                                       graph=source, memory_reserve=reserve)
   lines = report_lib.lines(result, result.costing, source, spec.name, fv.top)
   if fv.simulate:
     simulated = simulate_top(graph_def, result.ranked[:fv.simulate], spec, profile,
                              fv.calibration)
     plan.predicted.update(simulated[0])
-    lines += simulation_lines(result.ranked, simulated, cap)
+    lines += simulation_lines(result.ranked, simulated, result.usable)
   if fv.output:
     plan.save(fv.output)
     lines.append(f"wrote {fv.output} (apply it: tfsplit rewrite {source} --plan "
@@ -118,7 +129,7 @@ def simulate_top(graph_def, estimates, spec, profile, calibration=None):
   table = op_cost.CostTable.load(calibration) if calibration else None
   out = []
   for est in estimates:
-    options = Plan.from_estimate(est, profile).split_options()
+    options = Plan.from_estimate(est, profile).split_options(graph_def)
     mesh = Mesh.parse(options.pop("mesh"))
     result = split_graph(graph_def, mesh, **options)
     sim = graph_sim.simulate_graph(result.graph_def, spec,
@@ -129,7 +140,7 @@ def simulate_top(graph_def, estimates, spec, profile, calibration=None):
   return out
 
 
-def simulation_lines(estimates, simulated, cap):
+def simulation_lines(estimates, simulated, usable):
   """The whole-graph simulation beside the layer-level prediction, as lines."""
   from tfsplit.plan.report import format_time  # pylint: disable=import-outside-toplevel
   from tfsplit.report import format_table  # pylint: disable=import-outside-toplevel
@@ -141,10 +152,10 @@ def simulation_lines(estimates, simulated, cap):
   out = ["whole-graph simulation of the rewritten candidates:"]
   out += format_table(["rank", "plan", "predicted", "simulated", "memory", "simulated "
                        "peak"], rows, "<<>>>>", indent="  ").split("\n")
-  if simulated and simulated[0]["simulated_memory"] > cap:
+  if simulated and simulated[0]["simulated_memory"] > usable:
     out.append(f"  note: the simulated peak of the winner is over the "
-               f"{format_bytes(cap)} cap; plan with a smaller --device-memory to leave "
-               "room")
+               f"{format_bytes(usable)} a plan may use; plan with a larger "
+               "--memory-reserve to leave room")
   return out
 
 
@@ -167,7 +178,17 @@ def rewrite_options(fv, source):
   graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
   plan.check_graph(plan_lib.model_layer_names(graph_def), source)
   ranges = plan.layer_ranges or []
-  return {"mesh": plan.mesh, "stages": 1,
+  extra = {}
+  if plan.offload:
+    if fv["offload"].present and fv.offload != plan.offload:
+      raise PlanError(f"the plan offloads the {plan.offload} state but --offload "
+                      f"{fv.offload} is given; drop --offload")
+    extra["offload"] = plan.offload
+  if plan.replicate:  # the blocks the plan keeps whole: their weights annotated
+    annotations = plan.split_options(graph_def)["annotations"]
+    extra["annotate"] = list(fv.annotate or []) + [
+        f"{glob}={','.join('-' for _ in dims)}" for glob, dims in annotations.items()]
+  return {**extra, "mesh": plan.mesh, "stages": 1,
           "layers": ",".join(f"{a}:{b}" for a, b in ranges) or None,
           "microbatches": plan.microbatches, "schedule": plan.schedule,
           "virtual_stages": plan.virtual_stages,

@@ -16,8 +16,13 @@ from tfsplit.cost import op_cost
 from tfsplit.graph.ir import Graph
 
 
-def _owner_index(report):
-  """{layer name: index of the model layer whose stage runs it}."""
+def owner_index(report):
+  """{layer name: index of the model layer whose stage runs it}, for every
+  layer of `report` (a tfsplit.graph.layers report): a layer with parameters
+  is its own owner; one without (the loss, a head over a tied embedding)
+  belongs to the layer with parameters before it, whose pipeline stage runs
+  it and keeps its activations (the first layers, before any with
+  parameters, belong to model layer 0)."""
   model = [l.name for l in report.model_layers]
   owner, current = {}, 0
   for layer in sorted(report.layers, key=lambda l: l.index):
@@ -29,7 +34,7 @@ def _owner_index(report):
 
 def layer_seconds(graph, shapes, report, cost_model, device=0):
   """[seconds of forward + backward work] per model layer, in order."""
-  owner = _owner_index(report)
+  owner = owner_index(report)
   seconds = [0.0] * len(report.model_layers)
   for layer in report.layers:
     for name in layer.forward + layer.backward:
@@ -44,7 +49,7 @@ def layer_seconds(graph, shapes, report, cost_model, device=0):
 
 def boundary_bytes(graph, shapes, report):
   """[bytes of forward tensors crossing the cut after model layer k], k < n - 1."""
-  owner = _owner_index(report)
+  owner = owner_index(report)
   n = len(report.model_layers)
   produced = collections.defaultdict(int)  # (src, port) -> last consuming layer
   for name in graph.topological_order():

@@ -1,11 +1,13 @@
 """The automatic planner: which mesh, micro-batches, schedule, stage cut,
-recomputation and optimizer-state sharding to split a training step with.
+recomputation, optimizer-state sharding, blocks replicated rather than
+split over tp, and optimizer offload to split a training step with, leaving
+a reserve of each device's memory free.
 
     from tfsplit.plan import plan_graph
     plan, result = plan_graph(graph_def, devices=8, device_memory="16GB",
                               cluster="h100-80gb")
     split_graph(graph_def, Mesh.parse(plan.mesh), **other options of
-                plan.split_options())
+                plan.split_options(graph_def))
 
 profile.py turns the graph into one row per layer, space.py prices a
 candidate from those rows, search.py finds the fastest candidate that fits
@@ -15,7 +17,7 @@ The planner reads the cost model (tfsplit.cost) and the layer detection
 """
 from tfsplit.errors import PlanError, TfsplitError
 from tfsplit.plan.plan import Plan, read
-from tfsplit.plan.search import Planner, SearchResult, no_plan_message
+from tfsplit.plan.search import DEFAULT_RESERVE, Planner, SearchResult, no_plan_message
 
 AUTO = "auto"
 DEFAULT_CLUSTER = "cpu-host"
@@ -31,6 +33,16 @@ def cluster_for(cluster, devices):
                       f"for {devices}")
     return cluster
   return cluster_lib.for_graph(cluster or DEFAULT_CLUSTER, devices)
+
+
+def local_cluster(devices):
+  """The ClusterSpec of this process's `devices` devices: one host of the
+  default preset holding them all. Logical devices of one machine share its
+  memory and talk over its memory bus, so tensor parallelism among them is
+  as cheap as inside any host (the cpu-host preset alone is one device per
+  server, over Ethernet: it never tries tp)."""
+  from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  return cluster_lib.from_preset(DEFAULT_CLUSTER, devices, devices_per_host=devices)
 
 
 def memory_cap(device_memory, cluster):
@@ -55,17 +67,19 @@ def check_devices(devices):
 
 
 def plan_profile(profile, devices, device_memory=None, cluster=None, top=5,
-                 progress=None, max_tp=None, graph=None):
-  """(Plan, SearchResult) for a ModelProfile; PlanError if nothing fits."""
+                 progress=None, max_tp=None, graph=None, memory_reserve=DEFAULT_RESERVE):
+  """(Plan, SearchResult) for a ModelProfile; PlanError if nothing fits.
+  memory_reserve: the fraction of device memory plans leave free."""
   check_devices(devices)
   spec = cluster_for(cluster, devices)
   cap = memory_cap(device_memory, spec)
-  planner = Planner(profile, spec, devices, cap, max_tp=max_tp)
+  planner = Planner(profile, spec, devices, cap, max_tp=max_tp, reserve=memory_reserve)
   result = planner.search(top=top, progress=progress)
   if result.best is None:
     raise PlanError(no_plan_message(result, graph or profile.source or "the model"))
   return Plan.from_estimate(result.best, profile, cluster=spec.name, device_memory=cap,
-                            graph=graph, runners_up=result.ranked[1:]), result
+                            graph=graph, runners_up=result.ranked[1:],
+                            memory_reserve=memory_reserve), result
 
 
 def profile_graph(graph_def, devices, cluster=None, calibration=None, source=None):
@@ -79,24 +93,27 @@ def profile_graph(graph_def, devices, cluster=None, calibration=None, source=Non
 
 
 def plan_graph(graph_def, devices, device_memory=None, cluster=None, calibration=None,
-               top=5, progress=None, max_tp=None, source=None):
+               top=5, progress=None, max_tp=None, source=None,
+               memory_reserve=DEFAULT_RESERVE):
   """(Plan, SearchResult) of the fastest plan for a training-step GraphDef on
   `devices` devices of `cluster` (preset or spec file; default cpu-host) with
-  `device_memory` each (default: the cluster's). calibration: a cost table
+  `device_memory` each (default: the cluster's), of which the plan leaves
+  `memory_reserve` (a fraction, default 10%) free. calibration: a cost table
   (`tfsplit calibrate`) whose measured op times override the roofline."""
   check_devices(devices)
   profile = profile_graph(graph_def, devices, cluster, calibration, source)
   return plan_profile(profile, devices, device_memory, cluster, top, progress, max_tp,
-                      graph=source)
+                      graph=source, memory_reserve=memory_reserve)
 
 
 def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
-            available=None, source="the graph"):
+            available=None, source="the graph", memory_reserve=DEFAULT_RESERVE):
   """The Plan to split `graph_def` with: plan='auto' searches one for
   `devices` (default: `available`) devices of `cluster` (default: one host
-  of the cpu-host preset holding them all); a path or a JSON dict is read;
-  a Plan is taken as is. Checked against the graph's layers and against
-  the `available` devices (when given)."""
+  of the cpu-host preset holding them all) that leaves `memory_reserve` of
+  `device_memory` free; a path or a JSON dict is read; a Plan is taken as
+  is. Checked against the graph's layers and against the `available`
+  devices (when given)."""
   if isinstance(plan, str) and plan == AUTO:
     devices = available if devices is None else devices
     if devices is None:
@@ -105,11 +122,11 @@ def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
     if available is not None and devices > available:
       raise PlanError(f"too few devices: planning for {devices} but {available} are "
                       "available")
-    if cluster is None:  # this process's devices: one host of the default preset
-      from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
-      cluster = cluster_lib.from_preset(DEFAULT_CLUSTER, devices, devices_per_host=devices)
-    found, _ = plan_graph(graph_def, devices, device_memory, cluster, source=None)
-    return found
+    if cluster is None:
+      cluster = local_cluster(devices)
+    found, _ = plan_graph(graph_def, devices, device_memory, cluster, source=None,
+                          memory_reserve=memory_reserve)
+    return found.bind(graph_def)
   from tfsplit.plan import plan as plan_lib  # pylint: disable=import-outside-toplevel
   if isinstance(plan, Plan):
     found = plan
@@ -125,7 +142,7 @@ def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
   if available is not None:
     found.check_devices(available)
   found.check_graph(model_layer_names(graph_def), source)
-  return found
+  return found.bind(graph_def)
 
 
 def model_layer_names(graph_def):
@@ -134,6 +151,6 @@ def model_layer_names(graph_def):
   return [l.name for l in Analysis(graph_def).layers.model_layers]
 
 
-__all__ = ["AUTO", "Plan", "PlanError", "Planner", "SearchResult", "TfsplitError",
-           "cluster_for", "memory_cap", "model_layer_names", "plan_graph", "plan_profile",
-           "profile_graph", "read", "resolve"]
+__all__ = ["AUTO", "DEFAULT_RESERVE", "Plan", "PlanError", "Planner", "SearchResult",
+           "TfsplitError", "cluster_for", "local_cluster", "memory_cap", "model_layer_names",
+           "plan_graph", "plan_profile", "profile_graph", "read", "resolve"]

@@ -7,13 +7,16 @@
      "virtual_stages": 1, "layer_ranges": [[0, 3], [3, 6]],
      "recompute": "none", "zero": 0,      # or "blocks", or the blocks recomputed:
                                           # ["gpt/block_0", ...] (name scopes)
+     "replicate": ["gpt/block_3"],        # blocks left whole over tp (not split)
+     "offload": "none",                   # or "optimizer": state on the host
+     "memory_reserve": 0.1,               # of device_memory, left free
      "predicted": {"step_time": ..., "per_device_memory": ..., "bubble": ...},
      "candidates": [...]}                               # the runners-up
 
 `layers` ties the plan to the graph it was made for: applying it to a graph
 whose layers differ is refused, naming the first difference, as is a plan
 for more devices than there are. Every malformed field is one line naming
-the file and the field.
+the file and the field. `replicate` and `offload` may be absent (none).
 """
 import dataclasses
 import json
@@ -23,6 +26,7 @@ from typing import List, Optional, Tuple
 from tfsplit.errors import PlanError, TfsplitError
 from tfsplit.fileio import read_json, write_atomically
 from tfsplit.plan import space
+from tfsplit.plan.search import DEFAULT_RESERVE, check_reserve
 
 FORMAT = "tfsplit-plan"
 VERSION = 1
@@ -39,22 +43,30 @@ class Plan:
   layer_ranges: Optional[List[Tuple[int, int]]] = None
   recompute: object = "none"   # 'none', 'blocks', or the layers recomputed
   zero: int = 0
+  replicate: List[str] = dataclasses.field(default_factory=list)  # blocks not split
+  offload: Optional[str] = None   # None or 'optimizer'
   device_memory: Optional[int] = None
+  memory_reserve: float = DEFAULT_RESERVE
   cluster: Optional[str] = None
   graph: Optional[str] = None
   predicted: dict = dataclasses.field(default_factory=dict)
   candidates: list = dataclasses.field(default_factory=list)
+  # The replicated blocks' annotations once bound to a graph (`bind`).
+  bound_annotations: Optional[dict] = dataclasses.field(default=None, repr=False,
+                                                        compare=False)
 
   @classmethod
   def from_estimate(cls, est, profile, cluster=None, device_memory=None, graph=None,
-                    runners_up=()):
+                    runners_up=(), memory_reserve=DEFAULT_RESERVE):
     c = est.candidate
     return cls(devices=c.devices, layers=profile.names, mesh=c.mesh,
                microbatches=c.microbatches, schedule=c.schedule,
                virtual_stages=c.virtual_stages,
                layer_ranges=[tuple(r) for r in est.ranges] if c.pp > 1 else None,
-               recompute=_recompute(est, profile), zero=c.zero, device_memory=device_memory,
-               cluster=cluster, graph=graph,
+               recompute=_recompute(est, profile), zero=c.zero,
+               replicate=[profile.layers[i].name for i in c.replicate],
+               offload="optimizer" if c.offload else None, device_memory=device_memory,
+               memory_reserve=memory_reserve, cluster=cluster, graph=graph,
                predicted={k: v for k, v in est.to_json().items()
                           if k in _PREDICTED},
                candidates=[e.to_json() for e in runners_up])
@@ -66,13 +78,32 @@ class Plan:
       return tuple(self.recompute)
     return None if self.recompute == "none" else self.recompute
 
-  def split_options(self):
-    """Keyword arguments of tfsplit.passes.split_graph / tfsplit.split."""
-    return {"mesh": self.mesh, "microbatches": self.microbatches,
-            "schedule": self.schedule, "virtual_stages": self.virtual_stages,
-            "layer_ranges": [tuple(r) for r in self.layer_ranges]
-                            if self.layer_ranges else None,
-            "recompute": self.recompute_option, "zero": self.zero}
+  def bind(self, graph_def):
+    """Ties the plan to `graph_def` (the graph it was made for): what
+    split_options needs of it is kept, so it is called without the graph."""
+    self.bound_annotations = (replicated_annotations(graph_def, self.replicate)
+                              if self.replicate else {})
+    return self
+
+  def split_options(self, graph_def=None):
+    """Keyword arguments of tfsplit.passes.split_graph / tfsplit.split.
+    Replicated blocks become annotations of their weights, which need the
+    graph (`graph_def`, the one the plan was made for, or `bind` first)."""
+    options = {"mesh": self.mesh, "microbatches": self.microbatches,
+               "schedule": self.schedule, "virtual_stages": self.virtual_stages,
+               "layer_ranges": [tuple(r) for r in self.layer_ranges]
+                               if self.layer_ranges else None,
+               "recompute": self.recompute_option, "zero": self.zero,
+               "offload": self.offload}
+    if self.replicate:
+      if graph_def is not None:
+        options["annotations"] = replicated_annotations(graph_def, self.replicate)
+      elif self.bound_annotations is not None:
+        options["annotations"] = dict(self.bound_annotations)
+      else:
+        raise PlanError(f"the plan replicates {', '.join(self.replicate)}: applying it "
+                        "needs the graph (Plan.split_options(graph_def))")
+    return options
 
   def to_json(self):
     return {"format": FORMAT, "version": VERSION, "graph": self.graph,
@@ -84,6 +115,8 @@ class Plan:
                             if self.layer_ranges else None,
             "recompute": list(self.recompute) if isinstance(self.recompute, (list, tuple))
                          else self.recompute, "zero": self.zero,
+            "replicate": list(self.replicate), "offload": self.offload or "none",
+            "memory_reserve": self.memory_reserve,
             "predicted": self.predicted, "candidates": self.candidates}
 
   def save(self, path):
@@ -111,6 +144,31 @@ class Plan:
     if self.devices > available:
       raise PlanError(f"the plan is for {self.devices} devices but {available} are "
                       f"available; make a plan for {available} devices or provide more")
+
+
+def _glob_escape(name):
+  """`name` as an fnmatch pattern matching only itself."""
+  return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
+
+
+def replicated_annotations(graph_def, layers):
+  """{variable glob: all-None dims} for the weights of `layers` (names of
+  the graph's model layers): annotations that keep those layers whole on
+  every device of the tensor-parallel axis (they override the strategy)."""
+  from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
+  analysis = Analysis(graph_def)
+  by_name = {l.name: l for l in analysis.layers.model_layers}
+  var_of = {v.node: v for v in analysis.variables}
+  out = {}
+  for name in layers:
+    if name not in by_name:
+      raise PlanError(f"the plan replicates layer '{name}', which the graph does not "
+                      "have; make the plan from this graph with 'tfsplit plan'")
+    for node in by_name[name].variables:
+      var = var_of.get(node)
+      if var is not None and var.shape:   # scalars are never split
+        out[_glob_escape(var.name)] = (None,) * len(var.shape)
+  return out
 
 
 def _recompute(est, profile):
@@ -180,10 +238,17 @@ def from_json(obj, source="plan"):
                       + (f"'{stray[0]}', not one of the plan's layers" if stray else
                          "no layers") + "; give 'none', 'blocks' or layers of 'layers'")
   zero = _field(obj, "zero", source, int, 0)
+  replicate = _field(obj, "replicate", source, list, [])
+  stray = [r for r in replicate if r not in layers]
+  if stray:
+    raise PlanError(f"plan '{source}': field 'replicate' lists {json.dumps(stray[0])[:60]}, "
+                    "not one of the plan's layers")
+  offload = _field(obj, "offload", source, str, "none")
   for key, value, allowed in (("schedule", schedule, space.SCHEDULES),
                               ("recompute", recompute if isinstance(recompute, str)
                                else "blocks", ("none", "blocks")),
-                              ("zero", zero, (0, 1, 2))):
+                              ("zero", zero, (0, 1, 2)),
+                              ("offload", offload, ("none", "optimizer"))):
     if value not in allowed:
       raise PlanError(f"plan '{source}': field '{key}' is {value!r}; use one of "
                       f"{', '.join(str(a) for a in allowed)}")
@@ -196,9 +261,16 @@ def from_json(obj, source="plan"):
                              or not memory > 0 or not math.isfinite(memory)):
     raise PlanError(f"plan '{source}': field 'device_memory' must be a number of bytes, "
                     f"got {memory!r}")
+  reserve = obj.get("memory_reserve", DEFAULT_RESERVE)
+  try:
+    check_reserve(reserve)
+  except PlanError as e:
+    raise PlanError(f"plan '{source}': field 'memory_reserve': {e}") from None
   return Plan(devices=devices, layers=layers, mesh=str(mesh), microbatches=m,
               schedule=schedule, virtual_stages=v, layer_ranges=ranges,
-              recompute=recompute, zero=zero, device_memory=memory,
+              recompute=recompute, zero=zero, replicate=list(replicate),
+              offload=None if offload == "none" else offload, device_memory=memory,
+              memory_reserve=reserve,
               cluster=obj.get("cluster"), graph=obj.get("graph"),
               predicted=obj.get("predicted") or {}, candidates=obj.get("candidates") or [])
 

@@ -23,8 +23,9 @@ batch on one device of the cluster:
                        recomputed block keeps, and what each tensor-parallel
                        all-reduce of a block moves)
   splittable           a repeated block: the megatron preset splits it over
-                       'tp' (2 all-reduces forward, 2 backward); the other
-                       layers (embedding, head) stay replicated
+                       'tp' (2 all-reduces forward, 2 backward) unless the
+                       plan replicates it; the other layers (embedding,
+                       head) stay replicated
 
 and, per cut between layers k and k + 1, the bytes of forward activations
 crossing it. A calibration table made on this machine adds what its
@@ -159,7 +160,7 @@ def from_analysis(analysis, cost_model, source=None):
   cuts = layer_cost.boundary_bytes(graph, shapes, report)
   # Layers without parameters (the loss) run with the model layer before them:
   # their saved activations live there too.
-  owner = layer_cost._owner_index(report)  # pylint: disable=protected-access
+  owner = layer_cost.owner_index(report)
   acts = [0] * len(model)
   for layer in report.layers:
     if layer.name in owner:

@@ -40,9 +40,10 @@ def reasons(result, costing):
                  f"{profile.batch} over {n} devices")
     else:
       plain = costing.evaluate(space.Candidate(n, 1, 1), [(0, costing.n)])
-      if not space.fits(plain, result.device_memory):
+      if not space.fits(plain, result.usable):
         out.append(f"plain data parallelism (dp={n}) needs {format_bytes(plain.memory)} "
-                   f"per device, over the {format_bytes(result.device_memory)} cap")
+                   f"per device, over the {format_bytes(result.usable)} "
+                   + ("plans may use" if result.reserve else "cap"))
       else:
         out.append(f"plain data parallelism (dp={n}) fits but takes "
                    f"{format_time(plain.step_time)} ({_pct(plain.step_time, best.step_time)} "
@@ -67,6 +68,13 @@ def reasons(result, costing):
       out.append(f"ties the runner-up, {second.label()}, on time with fewer "
                  "micro-batches (each costs per-op overhead on a real machine), for "
                  f"{format_bytes(best.memory - second.memory)} more memory per device")
+  if c.replicate:
+    names = ", ".join(profile.layers[i].name for i in c.replicate)
+    out.append(f"replicates {names} over tp instead of splitting: each block's "
+               "all-reduces cost more than the compute tp would save")
+  if c.offload:
+    out.append("offloads the optimizer state to the host: this mesh does not fit "
+               "without, and the plans that fit without are slower")
   if c.pp > 1:
     stages = ", ".join(f"[{a}, {b})" for a, b in best.ranges)
     out.append(f"stage cut over the {costing.n} layers: {stages}; slowest stage "
@@ -80,6 +88,9 @@ def lines(result, costing, what="the model", cluster="", top=5):
   p = costing.profile.summary()
   cap = (f", {format_bytes(result.device_memory)} each" if result.device_memory
          else "")
+  if result.device_memory and result.reserve:
+    cap += (f" ({100 * result.reserve:g}% kept in reserve: plans fit "
+            f"{format_bytes(result.usable)})")
   out = [f"planned {what} for {result.devices} devices of {cluster}{cap}: "
          f"{result.evaluated} candidates priced in {result.seconds:.2f} s",
          f"  model: {p['layers']} layers with parameters ({p['blocks']} repeated "

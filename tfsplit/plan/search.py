@@ -12,6 +12,15 @@ stage of the program picks, per layer range, recomputation of its blocks
 only when the range does not fit without it. Every candidate is then priced
 by Costing.evaluate and the fastest that fits wins.
 
+With tp > 1 each candidate also gets its set of replicated blocks
+(`replicas`): the blocks whose step time drops when replicated (their
+all-reduces cost more than the compute tp saves, net of the larger update
+and gradient sync); when all of them do not fit, the most seconds saved
+per byte first, as many as fit (a binary search over that order). A
+candidate that does not fit the cap is tried again with its optimizer
+state offloaded to the host: offload is chosen only where it is needed to
+fit (it is never faster on its own).
+
 The program is vectorised over the layer ranges (numpy), and its cut is
 shared by the candidates that differ only in ZeRO and schedule; branch and
 bound skips a candidate whose lower bounds (m micro-batches of the average
@@ -42,8 +51,14 @@ class SearchResult:
   evaluated: int
   seconds: float
   devices: int
-  device_memory: Optional[int]
+  device_memory: Optional[int]       # the memory cap per device
   costing: Optional[space.Costing] = None   # what priced them (for reports)
+  reserve: float = 0.0               # fraction of the cap kept free
+
+  @property
+  def usable(self):
+    """Bytes per device a plan may take: the cap less the reserve."""
+    return usable_memory(self.device_memory, self.reserve)
 
 
 def _chunk_cost_matrix(fb, cut_t, n):
@@ -105,24 +120,65 @@ def min_max_cut(cost, chunks, feasible=None):
   return list(reversed(ranges))
 
 
+# Kept free by default: the memory model counts weights, gradients,
+# optimizer state and activations, not workspaces or the allocator's
+# fragmentation (its peak is 0.7-1.2x an allocator's on the examples).
+DEFAULT_RESERVE = 0.1
+# Blocks tried one by one after the longest prefix that fits (replicas).
+_GREEDY_TRIES = 16
+
+
+def usable_memory(device_memory, reserve):
+  """Bytes of `device_memory` a plan may take when `reserve` (a fraction) is
+  kept free; None for None."""
+  if device_memory is None:
+    return None
+  return int(device_memory * (1.0 - reserve))
+
+
+def memory_needed(memory, reserve):
+  """The least device memory whose usable part (usable_memory) holds
+  `memory` bytes."""
+  need = max(1, int(-(-memory // (1.0 - reserve))))
+  while usable_memory(need, reserve) < memory:
+    need += 1
+  while need > 1 and usable_memory(need - 1, reserve) >= memory:
+    need -= 1
+  return need
+
+
+def check_reserve(reserve):
+  """PlanError unless 0 <= reserve < 1."""
+  if isinstance(reserve, bool) or not isinstance(reserve, (int, float)) or \
+      not 0 <= reserve < 1:
+    raise PlanError(f"the memory reserve is a fraction of device memory in [0, 1), got "
+                    f"{reserve!r}; e.g. 0.1 keeps 10% free")
+
+
 class Planner(object):
-  """Search state for one model on one cluster."""
+  """Search state for one model on one cluster. device_memory: the cap per
+  device; reserve: the fraction of it kept free for what the memory model
+  does not count (workspaces, allocator fragmentation): plans fit
+  device_memory * (1 - reserve)."""
 
   def __init__(self, profile, cluster, devices, device_memory=None, max_tp=None,
-               max_microbatches=None, host_size=None, bucket_bytes=None):
+               max_microbatches=None, host_size=None, bucket_bytes=None, reserve=0.0):
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
       raise PlanError(f"the number of devices must be a positive integer, got {devices!r}")
     if cluster.num_devices < devices:
       raise PlanError(f"cluster '{cluster.name}' has {cluster.num_devices} devices, too few "
                       f"for {devices}; give a cluster spec with at least {devices}")
+    check_reserve(reserve)
     self.profile = profile
     self.cluster = cluster
     self.devices = devices
-    self.device_memory = device_memory
+    self.cap = device_memory
+    self.reserve = reserve
+    self.device_memory = usable_memory(device_memory, reserve)   # what plans must fit
     self.max_tp = max_tp
     self.max_microbatches = max_microbatches
     self.host_size = host_size if host_size is not None else _host_size(cluster)
-    self.costing = space.Costing(profile, cluster, bucket_bytes, device_memory)
+    self.costing = space.Costing(profile, cluster, bucket_bytes, self.device_memory)
     self._cuts = {}
     self._again = {}
     self._work = {}
@@ -143,7 +199,7 @@ class Planner(object):
       return [(0, self.costing.n)]
     # The cut depends on the micro-batch size, not on how it is reached.
     key = (c.dp * c.microbatches, c.tp, c.pp, c.recompute, c.virtual_stages,
-           self.costing.pipeline_link(c))
+           self.costing.pipeline_link(c), c.replicate)
     if key not in self._cuts:
       self._cuts[key] = min_max_cut(self._cost(c), c.chunks)
     return self._cuts[key]
@@ -153,7 +209,7 @@ class Planner(object):
     bytes of one recomputation)."""
     n = self.costing.n
     static, kept, again = self.costing.memory_terms(c, recompute)
-    key = (c.dp * c.microbatches, c.tp, recompute)
+    key = (c.dp * c.microbatches, c.tp, recompute, c.replicate)
     if key not in self._again:
       self._again[key] = _range_max(again, n) if again.any() else 0.0
     return (_range_sums(static, n) + self.profile.static_bytes, _range_sums(kept, n),
@@ -194,22 +250,138 @@ class Planner(object):
     return min_max_cut(self._cost(c), c.pp, feasible)
 
   def lower_bound(self, c):
-    """Seconds c takes at least: m micro-batches of its average stage."""
+    """Seconds c takes at least: m micro-batches of its average stage (each
+    block split or replicated, whichever is faster)."""
     key = (c.dp * c.microbatches, c.tp, c.recompute)
     if key not in self._work:
       f, b = self.costing.layer_times(c)
-      self._work[key] = float(f.sum() + b.sum())
+      fb = f + b
+      if c.tp > 1 and self.costing.split.any():
+        f, b = self.costing.layer_times(self._all_replicated(c))
+        fb = np.minimum(fb, f + b)
+      self._work[key] = float(fb.sum())
     return c.microbatches * self._work[key] / c.pp
 
+  def _all_replicated(self, c):
+    blocks = np.flatnonzero(self.costing.split)
+    return dataclasses.replace(c, replicate=tuple(int(i) for i in blocks))
+
+  def can_offload(self, c):
+    """Whether c may be tried with its optimizer state offloaded."""
+    return self.costing.can_offload and not c.zero and self.device_memory is not None
+
   def memory_bound(self, c):
-    """Bytes some device of c holds at least: the average stage's."""
+    """Bytes some device of c holds at least: the average stage's (its
+    optimizer state offloaded, where that may be tried)."""
+    if not c.offload and self.can_offload(c):
+      c = dataclasses.replace(c, offload=True)
     static, kept, _ = self.costing.memory_terms(c)
     counts = self.costing.in_flight(c)
     return ((static.sum() + min(counts) * kept.sum() / c.virtual_stages) / c.pp +
             self.profile.static_bytes)
 
-  def evaluate(self, c):
-    """The Estimate of c: its fastest cut, or the fastest that fits."""
+  def replication_gains(self, c):
+    """(layer indices, seconds saved per step, bytes added per device) of
+    the blocks whose replication over tp makes c's step faster, each alone:
+    m micro-batches of its forward + backward, less its larger update (and
+    with dp, its larger gradient all-reduce)."""
+    if c.tp == 1 or not self.costing.split.any():
+      return [], None, None
+    whole = self._all_replicated(c)
+    f, b = self.costing.layer_times(c)
+    rf, rb = self.costing.layer_times(whole)
+    costing = self.costing
+    more = costing.params * (1 - 1 / c.tp)   # weights (and gradients) no longer split
+    extra_update = costing.upd * (1 - 1 / c.tp) / (c.dp if c.zero else 1)
+    if c.offload:
+      extra_update = (extra_update * costing.host_update_scale +
+                      2 * more / space.HOST_LINK.bandwidth)
+    saved = c.microbatches * ((f + b) - (rf + rb)) - extra_update
+    if c.dp > 1:
+      link = costing.dp_link(c)
+      saved = saved - 2 * (c.dp - 1) / c.dp * more / link.bandwidth
+    chosen = np.flatnonzero(costing.split & (saved > 0))
+    if not len(chosen):
+      return [], None, None
+    static, kept, _ = costing.memory_terms(c)
+    r_static, r_kept, _ = costing.memory_terms(whole)
+    most = max(costing.in_flight(c))
+    added = (r_static - static) + most * (r_kept - kept)
+    return list(chosen), saved, added
+
+  def replicas(self, c, base):
+    """The Estimate of c with its blocks worth replicating replicated (as
+    many as fit, the most seconds saved per byte first), or None when none
+    is worth it or fits; `base`: c's own Estimate."""
+    chosen, saved, added = self.replication_gains(c)
+    if not chosen:
+      return None
+
+    def with_blocks(blocks):
+      replicate = tuple(sorted(int(i) for i in blocks))
+      found = self.price(dataclasses.replace(c, replicate=replicate))
+      return found if found is not None and space.fits(found, self.device_memory) else None
+
+    order = sorted(chosen, key=lambda i: -saved[i] / max(added[i], 1.0))
+    est = with_blocks(order)
+    if est is None and self.device_memory is not None:
+      # Memory adds up with each block: the longest prefix that fits (a
+      # binary search), then each later block that still fits beside it (a
+      # block's stage decides whether it fits, not only its bytes).
+      lo, hi = 0, len(order) - 1
+      while lo < hi:
+        mid = (lo + hi + 1) // 2
+        found = with_blocks(order[:mid])
+        if found is not None:
+          lo, est = mid, found
+        else:
+          hi = mid - 1
+      kept = order[:lo]
+      for i in order[lo + 1:lo + 1 + _GREEDY_TRIES]:  # order[lo] did not fit
+        found = with_blocks(kept + [i])
+        if found is not None:
+          kept, est = kept + [i], found
+    if est is None or (base is not None and space.fits(base, self.device_memory) and
+                       _rank(base) <= _rank(est)):
+      return None
+    return est
+
+  def offload_bound(self, c):
+    """Seconds c with its state offloaded takes at least: `lower_bound`
+    plus the average stage's update on the host (the slowest stage's is
+    no less)."""
+    tpdiv = self.costing.tpdiv(c)
+    costing = self.costing
+    host = float((costing.upd / tpdiv * costing.host_update_scale +
+                  2 * costing.params / tpdiv / space.HOST_LINK.bandwidth).sum())
+    return self.lower_bound(c) + host / c.pp
+
+  def variants(self, c, limit=None):
+    """Estimates of c: its own, with the blocks worth replicating
+    replicated, and (when those do not fit the cap) with its optimizer
+    state offloaded, unless that is bound to be slower than `limit`
+    seconds."""
+    base = self.price(c)
+    out = [base] if base is not None else []
+    rep = self.replicas(c, base)
+    if rep is not None:
+      out.append(rep)
+    if self.can_offload(c) and not any(space.fits(e, self.device_memory) for e in out):
+      moved = dataclasses.replace(c, offload=True)
+      if limit is not None and self.offload_bound(moved) > limit:
+        self.pruned += 1
+      elif self.memory_bound(moved) <= self.device_memory:
+        off = self.price(moved)
+        if off is not None:
+          out.append(off)
+        rep = self.replicas(moved, off)
+        if rep is not None:
+          out.append(rep)
+    return out
+
+  def price(self, c):
+    """The Estimate of c as given (no blocks replicated or state offloaded
+    but c's own): its fastest cut, or the fastest that fits."""
     if c.recompute == "stages":  # the choice per stage is made under the cap
       if self.device_memory is None or self.memory_bound(c) > self.device_memory:
         return None
@@ -262,19 +434,18 @@ class Planner(object):
             self.memory_bound(c) > self.device_memory:
           self.pruned += 1
           continue
-        est = self.evaluate(c)
-        fit[(dataclasses.replace(c, recompute="none"), c.recompute)] = (
-            est is not None and space.fits(est, self.device_memory))
-        if est is None:
-          continue
-        if smallest is None or est.memory < smallest.memory:
-          smallest = est
-        if fastest is None or _rank(est) < _rank(fastest):
-          fastest = est
-        if space.fits(est, self.device_memory):
-          fitting.append(est)
-          bisect.insort(kept, est.step_time)
-          del kept[3 * top:]
+        found = self.variants(c, kept[-1] if len(kept) >= 3 * top else None)
+        fit[(dataclasses.replace(c, recompute="none"), c.recompute)] = any(
+            space.fits(est, self.device_memory) for est in found)
+        for est in found:
+          if smallest is None or est.memory < smallest.memory:
+            smallest = est
+          if fastest is None or _rank(est) < _rank(fastest):
+            fastest = est
+          if space.fits(est, self.device_memory):
+            fitting.append(est)
+            bisect.insort(kept, est.step_time)
+            del kept[3 * top:]
       if progress is not None:
         progress(done + 1, len(meshes))
     fitting.sort(key=_rank)
@@ -287,22 +458,60 @@ class Planner(object):
     return SearchResult(best=ranked[0] if ranked else None, ranked=ranked,
                         smallest=smallest, fastest=fastest, evaluated=self.evaluated,
                         seconds=time.perf_counter() - t0, devices=self.devices,
-                        device_memory=self.device_memory, costing=self.costing)
+                        device_memory=self.cap, costing=self.costing,
+                        reserve=self.reserve)
 
   def exhaustive(self):
-    """The fastest fitting Estimate over every candidate and every cut (tests
-    hold `search` to it; exponential in the layers)."""
+    """The fastest fitting Estimate over every candidate, every cut, every
+    set of replicated blocks and offload or not (tests hold `search` to it;
+    exponential in the layers). Two kinds of plan are left out, as no plan
+    of theirs beats the same plan without: replicating a block whose
+    forward + backward does not get faster replicated (it adds time to its
+    stage, the update and the gradient sync, and memory), and offloading
+    where the plan fits without (offload only adds update time, while the
+    host is no faster than the device). A candidate whose lower bound
+    (`lower_bound`, which holds for every cut) is slower than the best so
+    far is skipped: none of its cuts could win."""
     best = None
     n = self.costing.n
+    slower_host = self.costing.host_update_scale >= 1
     for mesh in self.meshes():
-      for c in space.candidates_of(mesh, self.profile, self.max_microbatches):
-        for bounds in itertools.combinations(range(1, n), c.chunks - 1):
-          edges = (0,) + bounds + (n,)
-          est = self.costing.evaluate(c, list(zip(edges, edges[1:])))
-          if space.fits(est, self.device_memory) and (best is None or
-                                                      _rank(est) < _rank(best)):
-            best = est
+      for base in space.candidates_of(mesh, self.profile, self.max_microbatches):
+        if best is not None and self.lower_bound(base) > best.step_time * (1 + 1e-6):
+          continue
+        for c in self._exhaustive_replicas(base):
+          if best is not None and self._work_bound(c) > best.step_time * (1 + 1e-6):
+            continue
+          moved = dataclasses.replace(c, offload=True) if self.can_offload(c) else None
+          for bounds in itertools.combinations(range(1, n), c.chunks - 1):
+            edges = (0,) + bounds + (n,)
+            ranges = list(zip(edges, edges[1:]))
+            found = [self.costing.evaluate(c, ranges)]
+            if moved is not None and not (slower_host and
+                                          space.fits(found[0], self.device_memory)):
+              found.append(self.costing.evaluate(moved, ranges))
+            for est in found:
+              if space.fits(est, self.device_memory) and (best is None or
+                                                          _rank(est) < _rank(best)):
+                best = est
     return best
+
+  def _work_bound(self, c):
+    """`lower_bound` of c with its own replicated blocks."""
+    f, b = self.costing.layer_times(c)
+    return c.microbatches * float((f + b).sum()) / c.pp
+
+  def _exhaustive_replicas(self, c):
+    """c with each set of the blocks that get faster replicated."""
+    if c.tp == 1 or not self.costing.split.any():
+      yield c
+      return
+    f, b = self.costing.layer_times(c)
+    rf, rb = self.costing.layer_times(self._all_replicated(c))
+    faster = [int(i) for i in np.flatnonzero(self.costing.split & (rf + rb < f + b))]
+    for k in range(len(faster) + 1):
+      for subset in itertools.combinations(faster, k):
+        yield dataclasses.replace(c, replicate=subset)
 
   def hand_rule(self):
     """The usual manual plan: tensor parallel within a host, pipeline across
@@ -353,7 +562,11 @@ def _host_size(cluster):
 def no_plan_message(result, what="the model"):
   """The one-line error of a search where nothing fits."""
   need = result.smallest
-  hint = (f"; the smallest per-device memory that works is {format_bytes(need.memory)} "
-          f"({need.label()}), or use more devices" if need is not None else "")
+  kept = (f" ({100 * result.reserve:g}% kept in reserve)" if result.reserve else "")
+  hint = (f"; the smallest per-device memory that works is "
+          f"{format_bytes(memory_needed(need.memory, result.reserve))}"
+          + (f" ({format_bytes(need.memory)} planned + {100 * result.reserve:g}% reserve,"
+             f" {need.label()})" if result.reserve else f" ({need.label()})")
+          + ", or use more devices" if need is not None else "")
   return (f"{what} fits under no plan on {result.devices} devices with "
-          f"{format_bytes(result.device_memory)} each{hint}")
+          f"{format_bytes(result.device_memory)} each{kept}{hint}")

@@ -48,6 +48,21 @@ chunk activations for interleaved; 1 without a pipeline); a recomputed
 block keeps only its input, plus one block's activations while it is
 recomputed. recompute='stages' recomputes the blocks of the stages that
 would not fit otherwise, and only theirs.
+
+Two choices refine a candidate (search.py makes them):
+- replicate: repeated blocks left whole on every device of the tp group
+  (weights annotated replicated in the rewrite): tp_i = 1 and no
+  all-reduces for them; their compute, weights, optimizer state and
+  activations are whole on each tp device. It pays for a block whose
+  4 all-reduces per micro-batch cost more than (1 - 1/tp) of its compute.
+- offload: the optimizer state and the update ops on the devices' host
+  CPUs (memory/offload.py): no optimizer state on the device; the update
+  becomes the gradients sent to the host and the new weights sent back
+  over the host link (HOST_LINK, which cluster specs do not describe),
+  plus the update on the host, the device's update time scaled by the
+  device's memory bandwidth over the host's share of HOST_MEMORY_BANDWIDTH
+  (the update reads and writes memory; it does no heavy math). Not tried
+  with ZeRO, nor on CPU devices (their host is themselves).
 """
 import dataclasses
 import math
@@ -57,6 +72,7 @@ import numpy as np
 
 from tfsplit.constants import DEFAULT_BUCKET_BYTES
 from tfsplit.cost import collectives
+from tfsplit.cost.cluster import Link
 from tfsplit.cost.pipeline_sim import theoretical_peak_activations
 
 # 'stages': the blocks of the pipeline stages that would not fit without it
@@ -64,6 +80,12 @@ from tfsplit.cost.pipeline_sim import theoretical_peak_activations
 RECOMPUTE = ("none", "blocks", "stages")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 VIRTUAL_STAGES = (2, 4)
+# Offload prices a device's host with these (cluster specs describe the
+# devices and their links to each other only): a PCIe 4.0 x16 link's
+# effective rate (about 25 of its 32 GB/s per direction, 10 us a transfer)
+# and the DDR bandwidth of a two-socket server, shared by a host's devices.
+HOST_LINK = Link(25e9, 10e-6)
+HOST_MEMORY_BANDWIDTH = 200e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +98,8 @@ class Candidate:
   virtual_stages: int = 1
   recompute: str = "none"    # a value of RECOMPUTE
   zero: int = 0
+  replicate: Tuple[int, ...] = ()   # indices of blocks left whole over tp
+  offload: bool = False      # optimizer state and update on the host
 
   @property
   def devices(self):
@@ -101,6 +125,10 @@ class Candidate:
       parts.append(f"recompute={self.recompute}")
     if self.zero:
       parts.append(f"zero={self.zero}")
+    if self.replicate:
+      parts.append(f"replicate={len(self.replicate)}")
+    if self.offload:
+      parts.append("offload")
     return " ".join(parts)
 
 
@@ -135,6 +163,7 @@ class Estimate:
     return {"mesh": c.mesh, "dp": c.dp, "tp": c.tp, "pp": c.pp,
             "microbatches": c.microbatches, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages, "recompute": c.recompute, "zero": c.zero,
+            "replicate": list(c.replicate), "offload": c.offload,
             "layer_ranges": [list(r) for r in self.ranges],
             "step_time": self.step_time, "pipeline_time": self.pipeline_time,
             "sync_time": self.sync_time, "update_time": self.update_time,
@@ -205,9 +234,35 @@ class Costing(object):
     self.tp_collectives = col("tp_collectives")
     self.params, self.slots = col("params"), col("slots")
     self.acts, self.inp = col("activations"), col("input_bytes")
-    self.split = np.array([r.splittable for r in rows])
+    self.split = np.array([r.splittable for r in rows])   # the repeated blocks
     self.cuts = np.array([float(c) for c in profile.cuts])
     self._links = {}
+    self._masks = {}
+    self._memo = {}   # per-layer terms of the candidates priced last
+    kinds = {d.kind.upper() for d in cluster.devices}
+    # A CPU device's host is itself: nothing to offload to.
+    self.can_offload = not any(k.startswith("CPU") for k in kinds)
+    hosts = {}
+    for d in cluster.devices:
+      hosts[d.host] = hosts.get(d.host, 0) + 1
+    device_bw = min(d.memory_bandwidth for d in cluster.devices)
+    # How much slower an update runs on the host than on the device.
+    self.host_update_scale = device_bw / (HOST_MEMORY_BANDWIDTH / max(hosts.values()))
+
+  def tp_split(self, c):
+    """Per layer: whether c splits it over tp (its blocks but the replicated)."""
+    if c.tp == 1:
+      return np.zeros(self.n, dtype=bool)
+    if not c.replicate:
+      return self.split
+    if c.replicate not in self._masks:
+      mask = self.split.copy()
+      mask[list(c.replicate)] = False
+      self._masks[c.replicate] = mask
+    return self._masks[c.replicate]
+
+  def tpdiv(self, c):
+    return np.where(self.tp_split(c), c.tp, 1)
 
   # --- links (pp-major layout, tp fastest) ---------------------------------------
   def _link(self, kind, c):
@@ -221,15 +276,33 @@ class Costing(object):
         self._links[key] = self.cluster.link(0, c.dp * c.tp) if c.pp > 1 else None
     return self._links[key]
 
+  def dp_link(self, c):
+    """The link of c's data-parallel group (its gradient all-reduce)."""
+    return self._link("dp", c)
+
   def pipeline_link(self, c):
     """The link one pipeline hop crosses (None without a pipeline)."""
     return self._link("pp", c)
 
+  def _remember(self, key, compute):
+    """compute() once per key (exhaustive search prices one candidate over
+    many cuts); callers never write into the arrays returned."""
+    if key not in self._memo:
+      if len(self._memo) > 4096:
+        self._memo.clear()
+      self._memo[key] = compute()
+    return self._memo[key]
+
   def layer_times(self, c, recompute=None):
     """(F, B) per layer for one micro-batch of candidate c (numpy arrays);
     recompute: 'none' or 'blocks' instead of c's ('stages' prices as none)."""
+    return self._remember(("times", c, recompute),
+                          lambda: self._layer_times(c, recompute))
+
+  def _layer_times(self, c, recompute):
     frac = 1.0 / (c.dp * c.microbatches)
-    tpdiv = np.where(self.split, c.tp, 1)
+    split = self.tp_split(c)
+    tpdiv = np.where(split, c.tp, 1)
     f = self.fwd * frac / tpdiv + self.fwd_fixed
     b = self.bwd * frac / tpdiv + self.bwd_fixed
     if c.tp > 1:
@@ -237,14 +310,17 @@ class Costing(object):
       n = c.tp
       ar = (2 * (n - 1) * link.latency +
             2 * (n - 1) / n * self.inp * frac / link.bandwidth)
-      f = f + np.where(self.split, 2 * ar, 0.0)
-      b = b + np.where(self.split, 2 * ar, 0.0)
+      f = f + np.where(split, 2 * ar, 0.0)
+      b = b + np.where(split, 2 * ar, 0.0)
     if (recompute or c.recompute) == "blocks":
       b = b + np.where(self.split, f, 0.0)
     return f, b
 
   def cut_times(self, c):
     """Seconds per cut: the activations crossing it and their gradients."""
+    return self._remember(("cuts", c), lambda: self._cut_times(c))
+
+  def _cut_times(self, c):
     link = self._link("pp", c)
     if link is None or not len(self.cuts):
       return np.zeros(len(self.cuts))
@@ -257,10 +333,14 @@ class Costing(object):
     """Per layer: (static bytes, activation bytes per micro-batch in flight,
     bytes of one recomputation) for candidate c; recompute: 'none' or
     'blocks' instead of c's ('stages' counts as blocks: the least it can keep)."""
+    return self._remember(("memory", c, recompute),
+                          lambda: self._memory_terms(c, recompute))
+
+  def _memory_terms(self, c, recompute):
     frac = 1.0 / (c.dp * c.microbatches)
-    tpdiv = np.where(self.split, c.tp, 1)
+    tpdiv = self.tpdiv(c)
     weights = self.params / tpdiv
-    slots = self.slots / tpdiv / (c.dp if c.zero else 1)
+    slots = (0.0 if c.offload else self.slots / tpdiv / (c.dp if c.zero else 1))
     static = 2 * weights + slots   # weights + their gradients + optimizer state
     full = self.acts * frac / tpdiv
     if (recompute or c.recompute) in ("blocks", "stages"):
@@ -320,9 +400,13 @@ class Costing(object):
       again = per_chunk(again, np.maximum)
     cin = np.concatenate([[0.0], self.cut_times(c), [0.0]])  # by cut index 0..n
     stage_cost = per_stage(fb + cin[starts] + cin[ends])
-    tpdiv = np.where(self.split, c.tp, 1)
+    tpdiv = self.tpdiv(c)
     stage_grads = per_stage(per_chunk(self.params / tpdiv))
     stage_update = per_stage(per_chunk(self.upd / tpdiv))
+    if c.offload:  # gradients to the host, new weights back, the update there
+      stage_vars = per_stage(per_chunk(self.variables))
+      stage_update = (stage_update * self.host_update_scale + 2 * stage_grads /
+                      HOST_LINK.bandwidth + 2 * stage_vars * HOST_LINK.latency)
     stage_again = np.zeros(S)
     np.maximum.at(stage_again, chunk_stage, again)
     top, total = float(stage_cost.max()), float(stage_cost.sum())
@@ -362,7 +446,8 @@ class Costing(object):
     fixed cost of each collective and transfer. recompute: per chunk."""
     m, groups = c.microbatches, c.dp * c.tp
     frac = 1.0 / (c.dp * m)
-    tpdiv = np.where(self.split, c.tp, 1)
+    split = self.tp_split(c)
+    tpdiv = np.where(split, c.tp, 1)
     f = self.fwd * frac / tpdiv + self.fwd_fixed
     b = self.bwd * frac / tpdiv + self.bwd_fixed
     again = np.zeros(self.n, dtype=bool)
@@ -375,7 +460,7 @@ class Costing(object):
     launches = 0.0
     if c.tp > 1:   # per split layer and micro-batch (half again recomputed)
       per_layer = self.tp_collectives * np.where(again, 1.5, 1.0)
-      launches += c.dp * m * float(np.where(self.split, per_layer, 0.0).sum())
+      launches += c.dp * m * float(np.where(split, per_layer, 0.0).sum())
     if c.dp > 1:
       for j, i in ranges:
         grads = float((self.params[j:i] / tpdiv[j:i]).sum())

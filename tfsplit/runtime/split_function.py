@@ -74,7 +74,7 @@ class SplitFunction(object):
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
                offload=None, offload_device=None, prepare=None, plan=None, devices=None,
-               device_memory=None, hardware=None, shares_with=None):
+               device_memory=None, hardware=None, shares_with=None, memory_reserve=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     # With a plan the mesh is known only once the graph is (below).
@@ -94,12 +94,18 @@ class SplitFunction(object):
       from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
       self.plan = plan_lib.resolve(plan, self.original_graph_def, devices, device_memory,
                                    hardware, available=None if cluster is not None
-                                   else len(available_devices()))
-      options = self.plan.split_options()
+                                   else len(available_devices()),
+                                   memory_reserve=plan_lib.DEFAULT_RESERVE
+                                   if memory_reserve is None else memory_reserve)
+      options = self.plan.split_options(self.original_graph_def)
       mesh = options.pop("mesh")
       microbatches, schedule, layer_ranges, virtual_stages, recompute, zero = (
           options[k] for k in ("microbatches", "schedule", "layer_ranges",
                                "virtual_stages", "recompute", "zero"))
+      # The blocks the plan keeps whole over tp (annotated replicated), and
+      # its optimizer offload.
+      annotations = {**(annotations or {}), **options.get("annotations", {})}
+      offload = options["offload"] or offload
       self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
       self.mesh = cluster_mesh or make_mesh(mesh)
     if self.cluster is not None and timeout_seconds is None:
@@ -195,7 +201,8 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
           variable_names=None, timeout_seconds=None, microbatches=1, schedule="1f1b",
           layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
           recompute=None, zero=0, cluster=None, offload=None, offload_device=None,
-          prepare=None, plan=None, devices=None, device_memory=None, hardware=None):
+          prepare=None, plan=None, devices=None, device_memory=None, hardware=None,
+          memory_reserve=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -226,14 +233,17 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
   prepare: a GraphDef -> GraphDef function applied to the traced graph
     before it is split (tfsplit.keras drops the Keras metric updates so).
   plan: 'auto' chooses mesh, micro-batches, schedule, stage ranges,
-    recompute and zero with the planner (tfsplit.plan) for `devices`
-    (default: this process's) devices of `device_memory` each on `hardware`
-    (a preset name or cluster spec file, default cpu-host); a plan file
-    ('tfsplit plan -o plan.json') or a tfsplit.plan.Plan is applied as
-    given. The plan's choices replace those keywords; the chosen Plan is
-    the result's `plan`.
+    recompute, zero, the blocks replicated over tp and offload with the
+    planner (tfsplit.plan) for `devices` (default: this process's) devices
+    of `device_memory` each on `hardware` (a preset name or cluster spec
+    file, default cpu-host), leaving `memory_reserve` of it free (default
+    0.1); a plan file ('tfsplit plan -o plan.json') or a tfsplit.plan.Plan
+    is applied as given. The plan's choices replace those keywords (its
+    replicated blocks add annotations); the chosen Plan is the result's
+    `plan`.
   """
   return SplitFunction(fn, mesh, strategy, input_signature, annotations, variable_names,
                        timeout_seconds, microbatches, schedule, layer_ranges,
                        virtual_stages, bucket_bytes, recompute, zero, cluster, offload,
-                       offload_device, prepare, plan, devices, device_memory, hardware)
+                       offload_device, prepare, plan, devices, device_memory, hardware,
+                       memory_reserve=memory_reserve)
