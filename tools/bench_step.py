@@ -41,6 +41,7 @@ MirroredStrategy's do (--collective_timeout): with one, TensorFlow starts
 watchdog threads for every collective run, which live as long as the timeout.
 
     python tools/bench_step.py [--model gpt_keras3] [--size small] [--batch 16]
+        [--config hidden=256,seq=128]
         [--steps 20] [--rounds 5] [--warmup 3] [--bucket_mb 25] [--devices 4]
         [--collective_timeout 0] [--nofit] [--fit_steps 10]
 """
@@ -60,6 +61,8 @@ from benchlib import define_example_flags  # pylint: disable=g-import-not-at-top
 FLAGS = flags.FLAGS
 define_example_flags("small")
 FLAGS.set_default("model", "gpt_keras3")
+flags.DEFINE_list("config", [], "Overrides of the size's config, e.g. "
+                  "hidden=256,seq=128 (a GPT whose step is compute-bound).")
 flags.DEFINE_integer("batch", 16, "Global batch (divisible by 4).", lower_bound=4)
 flags.DEFINE_integer("steps", 20, "Measured steps per configuration and round.",
                      lower_bound=1)
@@ -82,16 +85,26 @@ flags.DEFINE_bool("fit", True, "Also time Keras fit: plain, MirroredStrategy, tf
 flags.DEFINE_integer("fit_steps", 10, "Batches per timed fit epoch.", lower_bound=1)
 
 
+def _build():
+  """A fresh instance of the benchmarked example (same seed each time)."""
+  import models  # pylint: disable=import-outside-toplevel
+  overrides = {}
+  for item in FLAGS.config:
+    key, _, value = item.partition("=")
+    overrides[key.strip()] = int(value)
+  return models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch,
+                      **overrides)
+
+
 def _mirrored_step(devices, inputs):
   """(step, per-replica args) of MirroredStrategy over `devices`, on a fresh
   instance of the example built under its scope."""
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
   from models import common  # pylint: disable=import-outside-toplevel
   strategy = tf.distribute.MirroredStrategy(devices=devices)
   n = strategy.num_replicas_in_sync
   with strategy.scope():
-    ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+    ex = _build()
   model, optimizer = ex.model, ex.optimizer
   variables = list(model.trainable_variables)
 
@@ -122,11 +135,10 @@ def _fit_section(devices):
   import time  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
   import tfsplit.keras  # pylint: disable=import-outside-toplevel
   from tfsplit.keras.flavors import flavor_of  # pylint: disable=import-outside-toplevel
 
-  ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  ex = _build()
   if ex.model is None:
     print(f"\n{FLAGS.model} has no Keras model: no fit figures")
     return
@@ -143,7 +155,7 @@ def _fit_section(devices):
     return target
 
   def fresh():
-    return models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch).model
+    return _build().model
 
   strategy = tf.distribute.MirroredStrategy(devices=devices[:2])
   with strategy.scope():
@@ -213,10 +225,9 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   devices = benchlib.logical_devices(FLAGS.device_type, FLAGS.devices, FLAGS.gpu_memory_mb)
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
   import tfsplit  # pylint: disable=import-outside-toplevel
 
-  ex = models.build(FLAGS.model, size=FLAGS.size, seed=0, batch_size=FLAGS.batch)
+  ex = _build()
   inputs = ex.make_inputs("train", seed=1)
   placed = [tf.constant(x) for x in inputs]
   names = list(zip(ex.all_variables(), ex.variable_names()))

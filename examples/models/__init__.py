@@ -21,23 +21,27 @@ from .example import (CONFIGS, CORPUS_NAMES, FLAVORS, KINDS, NAMES, SIZES,
                       ExampleModel, GptConfig, MlpConfig)
 
 
-def build(name, size="tiny", seed=0, batch_size=None):
+def build(name, size="tiny", seed=0, batch_size=None, **config):
   """Builds example `name` at `size`; returns an ExampleModel.
 
-  batch_size overrides the size's default (static) batch size.
+  batch_size overrides the size's default (static) batch size; `config`
+  overrides other fields of the size's config (hidden=512, blocks=2, ...;
+  not for the corpus models).
   """
   from . import example  # pylint: disable=import-outside-toplevel
   family, flavor = example.split_name(name)
   start = time.time()
   if family in example.CORPUS_FAMILIES:
+    if config:
+      raise TypeError(f"{name}: the corpus models take no config overrides")
     from . import corpus  # pylint: disable=import-outside-toplevel
     ex = corpus.build(name, size, seed, batch_size)
   elif flavor == "raw":
-    cfg = example.config_for(family, size, batch_size)
+    cfg = example.config_for(family, size, batch_size, overrides=config)
     from . import raw  # pylint: disable=import-outside-toplevel
     ex = raw.build(family, name, size, cfg, seed)
   else:
-    cfg = example.config_for(family, size, batch_size)
+    cfg = example.config_for(family, size, batch_size, overrides=config)
     from . import keras_models  # pylint: disable=import-outside-toplevel
     if flavor == "keras3":
       import keras as K

@@ -81,9 +81,10 @@ def split_name(name):
   return family, flavor
 
 
-def config_for(family, size, batch_size=None, configs=None, what=""):
-  """configs[family][size] (default: this zoo's), with batch_size if given;
-  `what` names the model in the error for an unknown size."""
+def config_for(family, size, batch_size=None, configs=None, what="", overrides=None):
+  """configs[family][size] (default: this zoo's), with batch_size and the
+  fields of `overrides` if given; `what` names the model in the error for an
+  unknown size."""
   configs = CONFIGS if configs is None else configs
   if size not in configs[family]:
     raise TfsplitError(f"unknown model size '{size}'{what}; choose one of "
@@ -93,6 +94,8 @@ def config_for(family, size, batch_size=None, configs=None, what=""):
     if batch_size < 1:
       raise TfsplitError(f"batch_size must be positive, got {batch_size}")
     cfg = dataclasses.replace(cfg, batch=int(batch_size))
+  if overrides:
+    cfg = dataclasses.replace(cfg, **overrides)
   return cfg
 
 
