@@ -69,9 +69,12 @@ def _fold(graph, shapes):
   order = graph.topological_order()
   foldable = set()
   stateful = {}
+  # node -> its op, read once; set before the node's consumers are reached
+  # (loop back edges come from NextIteration, never a Const).
+  op_of = {}
   for name in order:
     node = graph.node(name)
-    op = node.op
+    op = op_of[name] = node.op
     if op in _NEVER_FOLD:
       continue
     if op not in stateful:
@@ -90,11 +93,11 @@ def _fold(graph, shapes):
              for s, p in data):
         foldable.add(name)
       continue
-    if data and all(s in foldable or graph.node(s).op == "Const" for s, _ in data):
+    if data and all(s in foldable or op_of.get(s) == "Const" for s, _ in data):
       foldable.add(name)
   # Only fold what something non-foldable consumes (the frontier).
   targets = [n for n in order if n in foldable and any(
-      c.name not in foldable for c in graph.consumer_nodes(n))]
+      c not in foldable for c, _ in graph.consumers(n))]
   if not targets:
     return graph_def, {}
   values = _evaluate(graph, targets, foldable, shapes)
@@ -102,12 +105,9 @@ def _fold(graph, shapes):
   out.versions.CopyFrom(graph_def.versions)
   out.library.CopyFrom(graph_def.library)
   needed = set(targets)
-  # Names some node waits on with a control edge (a folded multi-output node
-  # keeps an IdentityN for them; otherwise nothing reads it).
-  awaited = {text[1:] for node in graph.nodes for text in node.input if text[:1] == "^"}
   redirect = {}  # "node:k" of a folded multi-output node -> its Const
-  for node in graph.nodes:
-    if node.name in needed:
+  for name, node in zip(graph.node_names(), graph.nodes):
+    if name in needed:
       outs = values[node.name]
       if len(outs) == 1:
         out.node.add().CopyFrom(_const_node(node.name, outs[0], node.device))
@@ -122,8 +122,9 @@ def _fold(graph, shapes):
         if i == 0:
           redirect[node.name] = c.name
       # Consumers read the Consts directly (so shape inference and the split
-      # rules see constant values); an IdentityN stays for control edges.
-      if node.name not in awaited:
+      # rules see constant values); an IdentityN stays for control edges, if
+      # some node waits on this one (otherwise nothing would read it).
+      if not graph.consumers(node.name, -1):
         continue
       ident = out.node.add()
       ident.name, ident.op, ident.device = node.name, "IdentityN", node.device
@@ -132,7 +133,7 @@ def _fold(graph, shapes):
           list=attr_value_pb2.AttrValue.ListValue(
               type=[tf.as_dtype(v.dtype).as_datatype_enum for v in outs])))
       continue
-    if node.name in foldable:
+    if name in foldable:
       continue  # interior of a folded computation: no longer used
     out.node.add().CopyFrom(node)
   if redirect:
@@ -227,7 +228,39 @@ def _evaluate(graph, targets, foldable, shapes):
   """Values of `targets`, computed in a private graph from constants only."""
   g = graph_pb2.GraphDef()
   g.versions.CopyFrom(graph.versions)
-  needed = graph.data_ancestors(targets)
+  # What the targets are computed from: folded shape ops become constants
+  # here, so what they read (activations, variables) is left out.
+  needed, stack = set(), list(targets)
+  while stack:
+    name = stack.pop()
+    if name in needed:
+      continue
+    needed.add(name)
+    if name in foldable and graph.node(name).op in _SHAPE_OPS:
+      continue
+    stack.extend(src for src, _ in graph.data_inputs(name) if src not in needed)
+  # Identical computations (every block's shape arithmetic repeats the
+  # others') are made once: the first node of each becomes the one `g` has,
+  # and its copies read their values from it.
+  canon, seen = {}, {}
+
+  def add(new, data):
+    inputs = []
+    for src, port in data:
+      src = canon[src]
+      inputs.append(src if port == 0 else f"{src}:{port}")
+    attr = new.attr
+    key = (new.op, tuple(inputs), tuple((k, attr[k].SerializeToString(deterministic=True))
+                                        for k in sorted(attr)))
+    first = seen.get(key)
+    if first is not None:
+      canon[new.name] = first
+      return
+    seen[key] = canon[new.name] = new.name
+    del new.input[:]
+    new.input.extend(inputs)
+    g.node.add().CopyFrom(new)
+
   for name in graph.topological_order():
     if name not in needed:
       continue
@@ -247,6 +280,7 @@ def _evaluate(graph, targets, foldable, shapes):
         ident = g.node.add(name=name, op="IdentityN", input=names)
         ident.attr["T"].list.type.extend(
             [tf.as_dtype(v.dtype).as_datatype_enum for v in vals])
+        canon[name] = name
         continue
       info = shapes.get(f"{data[0][0]}:{data[0][1]}")
       if node.op == "Shape":
@@ -255,21 +289,20 @@ def _evaluate(graph, targets, foldable, shapes):
         value = np.array(int(np.prod(info.shape)), out_type.as_numpy_dtype)
       else:
         value = np.array(len(info.shape), np.int32)
-      g.node.add().CopyFrom(_const_node(name, value))
+      add(_const_node(name, value), ())
       continue
-    new = g.node.add()
+    new = node_def_pb2.NodeDef()
     new.CopyFrom(node)
     new.device = ""
     if "_class" in new.attr:
       del new.attr["_class"]  # colocation with nodes not in this subgraph
-    del new.input[:]
-    new.input.extend(t for t in node.input if not t.startswith("^"))
+    add(new, graph.data_inputs(name))
   try:
     with tf.Graph().as_default() as tmp:
       tf.graph_util.import_graph_def(g, name="")
       fetches = {}
       for name in targets:
-        op = tmp.get_operation_by_name(name)
+        op = tmp.get_operation_by_name(canon[name])
         fetches[name] = list(op.outputs)
       with tf.compat.v1.Session(graph=tmp, config=_EVALUATE_CONFIG) as sess:
         result = sess.run(fetches)

@@ -53,6 +53,19 @@ def parse_input(text):
   return text, 0
 
 
+def _parse_every(inputs):
+  """[(name, port)] of input strings `inputs`, control inputs with port -1."""
+  out = []
+  for text in inputs:
+    if text[:1] == "^":
+      out.append((text[1:], -1))
+    elif ":" in text:
+      out.append(parse_input(text))
+    else:
+      out.append((text, 0))
+  return out
+
+
 def _parse_data(inputs):
   """[(name, port)] of the data inputs among input strings `inputs`."""
   out = []
@@ -64,6 +77,27 @@ def _parse_data(inputs):
     else:
       out.append((text, 0))
   return out
+
+
+def inputs_come_first(graph_def):
+  """Whether every input of every node of `graph_def` names an earlier node
+  and no name repeats: then the graph is acyclic and its node order a
+  topological one (False says nothing: Graph and its topological_order
+  decide, loop back edges allowed)."""
+  seen = set()
+  add = seen.add
+  for node in graph_def.node:
+    for text in node.input:
+      if text[:1] == "^":
+        text = text[1:]
+      elif ":" in text:
+        text = parse_input(text)[0]
+      if text not in seen:
+        return False
+    if node.name in seen:
+      return False  # defined twice: Graph says so
+    add(node.name)
+  return True
 
 
 def tensor_name(node_name, port=0):
@@ -109,6 +143,10 @@ class Graph(object):
     """Drops what edits make stale."""
     self._consumers = None  # built lazily: name -> list of (consumer, index, port)
     self._data_inputs = None  # built lazily: name -> ((source, port), ...)
+    # Built lazily: name -> ((source, port), ...) of every input, control ones
+    # with port -1; the indexes above and the order derive from it, so each
+    # input string is read from its proto and parsed once per graph.
+    self._inputs = None
     self._node_list = None
     self._order = None      # cached topological order
 
@@ -155,16 +193,21 @@ class Graph(object):
     return self._data_inputs[name]
 
   @without_gc
+  def _every_input(self):
+    if self._inputs is None:
+      self._inputs = {n: tuple(_parse_every(node.input)) for n, node in self._nodes.items()}
+    return self._inputs
+
+  @without_gc
   def _parse_all(self):
-    return {n: tuple(_parse_data(node.input)) for n, node in self._nodes.items()}
+    return {n: tuple(p for p in ins if p[1] >= 0) if ins else ins
+            for n, ins in self._every_input().items()}
 
   @without_gc
   def _build_consumers(self):
     consumers = collections.defaultdict(list)
-    for node in self._nodes.values():
-      name = node.name
-      for index, text in enumerate(node.input):
-        src, port = parse_input(text)
+    for name, ins in self._every_input().items():
+      for index, (src, port) in enumerate(ins):
         consumers[src].append((name, index, port))
     self._consumers = consumers
 
@@ -240,30 +283,28 @@ class Graph(object):
     names = list(nodes)
     index = {name: i for i, name in enumerate(names)}
     loop_back = {i for i, node in enumerate(nodes.values()) if node.op in _LOOP_BACK_OPS}
-    if self._in_order(index, loop_back):
-      # Every input comes earlier already: Kahn's order below would be this one.
-      return names
+    every = self._every_input()
     pending = [0] * len(names)
     children = [[] for _ in names]
-    for i, node in enumerate(nodes.values()):
+    in_order = True  # every input (but loop back edges) comes earlier already
+    for i, name in enumerate(names):
       count = 0
-      for text in node.input:
-        if text[:1] == "^":
-          src = text[1:]
-        elif ":" in text:
-          src = parse_input(text)[0]
-        else:
-          src = text
+      for k, (src, _) in enumerate(every[name]):
         j = index.get(src)
         if j is None:
+          node = nodes[name]
           raise GraphValidationError(
-              f"node '{names[i]}' (op {node.op}) reads '{text}', but no node "
+              f"node '{name}' (op {node.op}) reads '{node.input[k]}', but no node "
               f"'{src}' exists; the graph is incomplete or was cut badly")
         if j in loop_back:
           continue
+        if j >= i:
+          in_order = False
         children[j].append(i)
         count += 1
       pending[i] = count
+    if in_order:
+      return names  # Kahn's order below would be this one
     import heapq  # pylint: disable=import-outside-toplevel
     ready = [i for i, c in enumerate(pending) if c == 0]  # sorted: a valid heap
     order = []
@@ -283,19 +324,6 @@ class Graph(object):
           f"{self._nodes[cycle[0]].op}): {' -> '.join(cycle)}; a GraphDef "
           "must be acyclic (except TF1 while loops through NextIteration)")
     return [names[i] for i in order]
-
-  def _in_order(self, index, loop_back):
-    """Whether every node's inputs (but loop back edges) come before it."""
-    for i, node in enumerate(self._nodes.values()):
-      for text in node.input:
-        if text[:1] == "^":
-          text = text[1:]
-        elif ":" in text:
-          text = parse_input(text)[0]
-        j = index.get(text)
-        if j is None or (j >= i and j not in loop_back):
-          return False  # a missing input is reported by the full pass
-    return True
 
   def _find_cycle(self, stuck):
     """A cycle among `stuck` nodes, as a list of names (for error messages)."""
@@ -342,6 +370,8 @@ class Graph(object):
       for index, text in enumerate(node.input):
         src, port = parse_input(text)
         self._consumers[src].append((name, index, port))
+    if self._inputs is not None:
+      self._inputs[name] = tuple(_parse_every(node.input))
     if self._data_inputs is not None:
       self._data_inputs[name] = tuple(_parse_data(node.input))
     return node

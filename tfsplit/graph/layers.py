@@ -113,10 +113,6 @@ def _scope(name):
   return name.split("/")[:-1]
 
 
-def _is_write(node):
-  return constants.is_write_op(node.op)
-
-
 def _layer_scope(graph, name):
   """The name scope `name` belongs to, as a list; a scope that is itself a
   node's name (`dense/MatMul/ReadVariableOp`, made by the op's own name scope)
@@ -190,13 +186,17 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     shapes = infer_shapes(graph, variables)
   order = order or graph.topological_order()
   var_nodes = {v.node: v for v in variables}
+  # NodeDefs and op types looked up once: the loops below read them per node
+  # many times, and each proto field read makes a new Python object.
+  nodes = {name: graph.node(name) for name in order}
+  op_of = {name: node.op for name, node in nodes.items()}
 
   # 1. Roles.
   stripped = {}
   role = {}
   for name in order:
     base, is_grad = _strip_grad(name)
-    attr = graph.node(name).attr
+    attr = nodes[name].attr
     if RECOMPUTE_OF_ATTR in attr:
       base, is_grad = _strip_grad(attr[RECOMPUTE_OF_ATTR].s.decode())[0], True
     stripped[name] = base
@@ -208,19 +208,20 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   # densifying an embedding gradient) stays a gradient op.
   constant = set()
   for name in order:
-    node = graph.node(name)
+    if name in role:
+      continue
     data_in = [src for src, _ in graph.data_inputs(name)]
-    if name not in role and (node.op == "Const" or data_in and all(
-        s in constant for s in data_in)) and not node.input[len(data_in):]:
+    if (op_of[name] == "Const" or data_in and all(s in constant for s in data_in)) \
+        and not nodes[name].input[len(data_in):]:
       constant.add(name)
   for name in order:
     if name in role:
       continue
-    node = graph.node(name)
+    op = op_of[name]
     data_in = [src for src, _ in graph.data_inputs(name)]
     if name in forward_set and not any(role.get(s) == BACKWARD for s in data_in):
       role[name] = FORWARD
-    elif data_in and not _is_write(node) and node.op != "IdentityN" and any(
+    elif data_in and not constants.is_write_op(op) and op != "IdentityN" and any(
         role.get(s) == BACKWARD for s in data_in) and all(
             role.get(s) in (BACKWARD, FORWARD) or s in constant for s in data_in):
       role[name] = BACKWARD  # e.g. the AddN summing one weight's gradients
@@ -236,14 +237,15 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   scope_of = {name: _layer_scope(graph, stripped[name]) for name in order}
   param_reads = []  # (reader's scope, variable handle)
   for name in order:
-    node = graph.node(name)
-    if role[name] == FORWARD and node.op in constants.VARIABLE_READ_OPS and node.input and \
-        is_trainable_handle(parse_input(node.input[0])[0]):
+    if role[name] != FORWARD or op_of[name] not in constants.VARIABLE_READ_OPS:
+      continue
+    node = nodes[name]
+    if node.input and is_trainable_handle(parse_input(node.input[0])[0]):
       param_reads.append((scope_of[name], parse_input(node.input[0])[0]))
   blocks_scope, blocks = None, ()
   if depth is None:
     blocks_scope, blocks = _repeated_blocks_scope(
-        [(scope_of[n], graph.node(n).op) for n in order if role[n] == FORWARD],
+        [(scope_of[n], op_of[n]) for n in order if role[n] == FORWARD],
         param_reads, var_nodes)
     if blocks_scope is not None:
       depth = len(blocks_scope) + 1
@@ -286,8 +288,10 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   variable_layer = {}
   readers = collections.defaultdict(list)
   for name in order:
-    node = graph.node(name)
-    if role[name] == FORWARD and node.op in constants.VARIABLE_READ_OPS and node.input:
+    if role[name] != FORWARD or op_of[name] not in constants.VARIABLE_READ_OPS:
+      continue
+    node = nodes[name]
+    if node.input:
       src = parse_input(node.input[0])[0]
       if src in var_nodes:
         variable_layer.setdefault(src, layer_of[name])
@@ -351,7 +355,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
           queue.append(src)
     return found
 
-  writes = [n for n in order if role[n] == UPDATE and _is_write(graph.node(n))]
+  writes = [n for n in order if role[n] == UPDATE and constants.is_write_op(op_of[n])]
   # A slot belongs to the one weight whose update reads it (so a tied
   # embedding's moments follow the embedding, not the head whose gradient op
   # sums the two contributions); state read by many updates (the step
@@ -381,8 +385,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   for name in reversed(order):
     if role[name] != UPDATE or name in layer_of:
       continue
-    keys = {layer_of.get(c.name) for c in graph.consumer_nodes(name)
-            if role.get(c.name) == UPDATE}
+    keys = {layer_of.get(c) for c, _ in graph.consumers(name) if role.get(c) == UPDATE}
     keys.discard(None)
     if name in var_nodes:
       keys = {variable_layer.get(name, OPTIMIZER_LAYER)}
@@ -397,7 +400,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       continue
     layer = layers[layer_of[name]]
     getattr(layer, role[name]).append(name)
-    f = flops_lib.op_flops(graph.node(name), shapes)
+    f = 0 if op_of[name] in flops_lib.ZERO_FLOP_OPS else flops_lib.op_flops(nodes[name], shapes)
     if role[name] == FORWARD:
       layer.forward_flops += f
     elif role[name] == BACKWARD:
@@ -421,10 +424,9 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   for name in order:
     if role[name] != BACKWARD:
       continue
-    for text in graph.node(name).input:
-      src, port = parse_input(text)
-      if port >= 0 and role.get(src) == FORWARD and src not in var_nodes and \
-          graph.node(src).op not in _NOT_ACTIVATIONS:
+    for src, port in graph.data_inputs(name):
+      if role.get(src) == FORWARD and src not in var_nodes and \
+          op_of[src] not in _NOT_ACTIVATIONS:
         kept.add((src, port))
   for src, port in sorted(kept):
     info = shapes.get(f"{src}:{port}")

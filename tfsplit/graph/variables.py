@@ -69,10 +69,10 @@ class VariableInfo:
 
 
 def is_variable_node(node):
-  if node.op in ("VarHandleOp", "VariableV2", "Variable"):
+  op = node.op  # read once: each read of a proto field makes a new string
+  if op in ("VarHandleOp", "VariableV2", "Variable"):
     return True
-  return (node.op == "Placeholder" and
-          node.attr["dtype"].type == types_pb2.DT_RESOURCE)
+  return op == "Placeholder" and node.attr["dtype"].type == types_pb2.DT_RESOURCE
 
 
 def annotate_captured_variable(node, variable, name=None):

@@ -15,6 +15,7 @@ Names: the copy of node `n` on logical device d is `n/shard_d`; a variable
 `v`'s shard on device d is the variable `v/shard_d`.
 """
 import dataclasses
+import functools
 from typing import Optional
 
 import numpy as np
@@ -112,8 +113,25 @@ def const_node(name, value, device):
   value = np.asarray(value)
   node = node_def_pb2.NodeDef(name=name, op="Const", device=device)
   node.attr["dtype"].type = tf.as_dtype(value.dtype).as_datatype_enum
-  node.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(value))
+  node.attr["value"].tensor.CopyFrom(_tensor_proto(value))
   return node
+
+
+_CACHED_ELEMENTS = 64  # local shapes, sizes and axes: the same few on every device
+
+
+def _tensor_proto(value):
+  """make_tensor_proto(value); small numeric values made once (TF's maker
+  costs more than the copy, and a split makes the same ones many times)."""
+  if value.dtype.kind not in "biufc" or value.size > _CACHED_ELEMENTS:
+    return tensor_util.make_tensor_proto(value)
+  return _cached_tensor_proto(value.dtype.str, value.shape, value.tobytes())
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_tensor_proto(dtype, shape, data):
+  """Read-only by convention: callers copy it (CopyFrom)."""
+  return tensor_util.make_tensor_proto(np.frombuffer(data, np.dtype(dtype)).reshape(shape))
 
 
 class DeviceGraph(object):

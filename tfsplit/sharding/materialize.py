@@ -148,26 +148,34 @@ class _Materializer(object):
 
   def op(self, node):
     name = node.name
+    texts = list(node.input)  # read once: each proto field read makes new strings
+    positions, controls = [], []
+    for pos, t in enumerate(texts):
+      if t[:1] == "^":
+        controls.append((pos, t[1:]))
+      else:
+        positions.append(pos)
     decision = self.prop.decisions.get(name)
     if decision is None:  # forwards a variable handle (an inlined call's argument)
-      n_data = sum(1 for t in node.input if not t.startswith("^"))
-      decision = Decision([None] * n_data, [None] * max(1, len(self.shapes[name])))
+      decision = Decision([None] * len(positions), [None] * max(1, len(self.shapes[name])))
     data = self.graph.data_inputs(name)
-    positions = [i for i, t in enumerate(node.input) if not t.startswith("^")]
-    in_infos = [self.shapes.tensor(s, p) for s, p in data]
     resolved = []
     for j, (src, port) in enumerate(data):
       want = decision.inputs[j]
       local, have = self.source(src, port, name)
       resolved.append(local if want is None or have is None or have == want
                       else self.reshard(src, port, have, want, name))
-    controls = [(pos, t[1:]) for pos, t in enumerate(node.input) if t.startswith("^")]
-    varies = any(self.r.uses_local_axis(o) for o in decision.outputs)
-    writes = constants.is_write_op(node.op)
+    varies = writes = None  # what sharing a micro-batch copy asks: found once, if asked
     dropped = [a for a in _DROPPED_ATTRS if a in node.attr]
+    devices = self.mesh.devices
+    localize = decision.localize
+    in_infos = None if localize is None else [self.shapes.tensor(s, p) for s, p in data]
     for d in self.place.ids_for(name):
       r = self.r.rep(d)
       if r != d:
+        if varies is None:
+          varies = any(self.r.uses_local_axis(o) for o in decision.outputs)
+          writes = constants.is_write_op(node.op)
         same_data = all(res[d] == res[r] for res in resolved)
         if not varies and same_data and (writes or all(
             self.lname(c, d) == self.lname(c, r) for _, c in controls)):
@@ -179,13 +187,13 @@ class _Materializer(object):
               "micro-batch (its inputs differ between micro-batches); this is a bug in "
               "tfsplit's micro-batching, please report it")
       local = local_name(name, d)
-      if decision.localize is None:
+      if localize is None:
         # Edited in place in the output: one copy of the NodeDef, not two.
-        new = self.b.add_copy(node, local, self.mesh.devices[d], name, d)
+        new = self.b.add_copy(node, local, devices[d], name, d)
       else:
         new = node_def_pb2.NodeDef()
         new.CopyFrom(node)
-        new.name, new.device = local, self.mesh.devices[d]
+        new.name, new.device = local, devices[d]
         self.b.names.add(local)
       inputs = new.input
       for j, pos in enumerate(positions):
@@ -194,8 +202,8 @@ class _Materializer(object):
         inputs[pos] = "^" + self.lname(c, d)
       for attr in dropped:
         del new.attr[attr]
-      if decision.localize is not None:
-        decision.localize(LocalizeContext(self, new, node, decision, d, positions, in_infos))
+      if localize is not None:
+        localize(LocalizeContext(self, new, node, decision, d, positions, in_infos))
         self.b.add(new, name, d)
         for extra in self.deferred:
           self.b.add(extra, name, d)

@@ -30,6 +30,8 @@ _MAX_ROUNDS = 6
 STRICT_RULES_ENV = "TFSPLIT_STRICT_RULES"
 # Ops that pass a resource handle through unchanged.
 _HANDLE_PASSTHROUGH = frozenset(["Identity", "IdentityN"])
+# Kinds of _StaticInputs rows the forward sweep treats apart.
+_VARIABLE, _PASSTHROUGH, _PLACEHOLDER = "variable", "passthrough", "placeholder"
 
 
 @dataclasses.dataclass
@@ -80,7 +82,7 @@ def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(
       specs[slot] = specs[var]
     prop = _propagate_once(static, mesh, specs, input_specs or {}, reduce_at_source, memo)
     needed = _partials_needed_whole(static, prop) - reduce_at_source
-    inferred = infer_variable_specs(graph, prop, variables, explicit)
+    inferred = infer_variable_specs(static, prop, variables, explicit)
     changed = {h: d for h, d in inferred.items() if specs[h].dims != tuple(d)}
     if not needed and not changed:
       return prop
@@ -103,32 +105,60 @@ class _StaticInputs(object):
     self.order = graph.topological_order()
     self.var_nodes = {n.name for n in graph.nodes if variables_lib.is_variable_node(n)}
     consts = {}  # Const node -> its value (read-only), parsed once
+    # serialized TensorProto -> its value: every block repeats the same small
+    # constants (axes, shapes), and parsing one costs more than its bytes.
+    by_proto = {}
+    # node -> its op, read once; set before its consumers are reached (only
+    # loop back edges, from NextIteration, come from later nodes).
+    op_of = {}
 
     def const_input(src, info):
-      src_node = graph.node(src)
-      if src_node.op == "Const" and info is not None and info.num_elements is not None \
-          and info.num_elements <= _MAX_CONST_ELEMENTS:
+      if op_of.get(src) == "Const" and info is not None and \
+          info.num_elements is not None and info.num_elements <= _MAX_CONST_ELEMENTS:
         if src not in consts:
-          value = const_value(src_node)
-          value.setflags(write=False)  # shared by every rule that reads it
+          key = graph.node(src).attr["value"].tensor.SerializeToString(deterministic=True)
+          value = by_proto.get(key)
+          if value is None:
+            value = by_proto[key] = const_value(graph.node(src))
+            value.setflags(write=False)  # shared by every rule that reads it
           consts[src] = value
         return consts[src]
       return None
 
-    self.rows = []  # (name, node, data, in_infos, out_infos, const_inputs, resource)
+    # (name, node, kind, data, in_infos, out_infos, const_inputs, resource);
+    # kind: _VARIABLE, _PASSTHROUGH (forwards a handle), _PLACEHOLDER or None.
+    self.rows = []
+    # Read by every round's checks: (name, data inputs, is an assign) of each
+    # op, and which of them are not sharding constraints.
+    self.ops, self.unconstrained = [], []
+    # ReadVariableOp -> the node its handle input names.
+    self.read_handles = {}
     get = shapes.tensor
+    nodes = graph.node
     for name in self.order:
-      node = graph.node(name)
+      node = nodes(name)
+      op = op_of[name] = node.op
       out_infos = shapes[name] if name in shapes else []
       if name in self.var_nodes:
-        self.rows.append((name, node, (), (), out_infos, (), ()))
+        self.rows.append((name, node, _VARIABLE, (), (), out_infos, (), ()))
         continue
       data = graph.data_inputs(name)
       in_infos = tuple(get(src, port) for src, port in data)
-      self.rows.append((name, node, data, in_infos, out_infos,
+      resource = tuple(_is_resource(info) for info in in_infos)
+      kind = None
+      if op in _HANDLE_PASSTHROUGH and data and all(resource):
+        kind = _PASSTHROUGH
+      elif op == "Placeholder":
+        kind = _PLACEHOLDER
+      self.rows.append((name, node, kind, data, in_infos, out_infos,
                         tuple(const_input(src, info) for (src, _), info in
                               zip(data, in_infos)),
-                        tuple(_is_resource(info) for info in in_infos)))
+                        resource))
+      self.ops.append((name, data, op in constants.ASSIGN_OPS))
+      if data and (op != "Identity" or constraint_of(node) is None):
+        self.unconstrained.append((name, data))
+      if op == "ReadVariableOp":
+        self.read_handles[name] = parse_input(node.input[0])[0]
 
 
 def _partials_needed_whole(static, prop):
@@ -136,14 +166,17 @@ def _partials_needed_whole(static, prop):
   sharding constraint reduces what it reads straight into its own sharding,
   a reduce-scatter: it needs nothing reduced before)."""
   needed = set()
-  outputs = prop.outputs
-  for name, decision in prop.decisions.items():
-    if constraint_of(static.graph.node(name)) is not None:
+  outputs, decisions = prop.outputs, prop.decisions
+  for name, data in static.unconstrained:
+    decision = decisions.get(name)
+    if decision is None:
       continue
-    for (src, port), want in zip(static.graph.data_inputs(name), decision.inputs):
+    for (src, port), want in zip(data, decision.inputs):
+      if want is None:
+        continue
       src_specs = outputs[src]
       have = src_specs[port] if port < len(src_specs) else None
-      if have is not None and want is not None and have.partial - want.partial:
+      if have is not None and have.partial and have.partial - want.partial:
         needed.add((src, port))
   return needed
 
@@ -156,8 +189,8 @@ def _propagate_once(static, mesh, variable_specs, input_specs, reduce_at_source,
   outputs, decisions, handle_source, fallbacks, reduced = {}, {}, {}, [], {}
   for name in var_nodes:
     handle_source[name] = name
-  for name, node, data, in_infos, out_infos, const_inputs, resource in static.rows:
-    if name in var_nodes:
+  for name, node, kind, data, in_infos, out_infos, const_inputs, resource in static.rows:
+    if kind is _VARIABLE:
       outputs[name] = [None]
       continue
     in_specs, handle_specs = [], []
@@ -171,11 +204,11 @@ def _propagate_once(static, mesh, variable_specs, input_specs, reduce_at_source,
       else:
         in_specs.append(spec)
         handle_specs.append(None)
-    if node.op in _HANDLE_PASSTHROUGH and data and all(resource):
+    if kind is _PASSTHROUGH:
       handle_source[name] = handle_source.get(data[0][0])
       outputs[name] = [None] * max(1, len(out_infos))
       continue
-    if node.op == "Placeholder" and name in input_specs:
+    if kind is _PLACEHOLDER and name in input_specs:
       decision = Decision([], [input_specs[name]])
     else:
       key = (tuple(in_specs), tuple(handle_specs))
@@ -247,31 +280,33 @@ def _decide(ctx, fallbacks):
 
 
 
-def infer_variable_specs(graph, prop, variables, explicit):
+def infer_variable_specs(static, prop, variables, explicit):
   """Shardings for variables the plan left open, read off the ops using them.
 
   A bias added to a column-split activation is required split by its
   BiasAdd; an Adam moment is updated with a split gradient. Adopting that
   sharding keeps the variable local instead of gathering its updates.
+  `static`: the graph's _StaticInputs.
   """
   candidates = {v.node: set() for v in variables if v.node not in explicit and v.shape}
   if not candidates:
     return {}
-  handle_source, outputs = prop.handle_source, prop.outputs
+  handle_source, outputs, decisions = prop.handle_source, prop.outputs, prop.decisions
+  read_handles = static.read_handles
   read_of = {}  # ReadVariableOp -> the handle node behind it
-  for name, decision in prop.decisions.items():
-    node = graph.node(name)
-    data = graph.data_inputs(name)
-    is_assign = node.op in constants.ASSIGN_OPS
+  for name, data, is_assign in static.ops:
+    decision = decisions.get(name)
+    if decision is None:
+      continue
+    wanted = decision.inputs
     for j, (src, port) in enumerate(data):
-      if src not in read_of:
-        src_node = graph.node(src)
-        read_of[src] = (handle_source.get(parse_input(src_node.input[0])[0])
-                        if src_node.op == "ReadVariableOp" else None)
-      handle = read_of[src]
-      if handle is not None and handle in candidates and j < len(decision.inputs) and \
-          decision.inputs[j]:
-        candidates[handle].add(decision.inputs[j].dims)
+      if src in read_of:
+        handle = read_of[src]
+      else:
+        raw = read_handles.get(src)
+        handle = read_of[src] = handle_source.get(raw) if raw is not None else None
+      if handle is not None and handle in candidates and j < len(wanted) and wanted[j]:
+        candidates[handle].add(wanted[j].dims)
       if is_assign and j == 1:
         handle = handle_source.get(data[0][0])
         value = outputs[src][port]
