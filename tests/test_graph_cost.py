@@ -185,6 +185,34 @@ def test_measured_costs_override_the_roofline(tmp_path):
     op_cost.CostTable.load(str(tmp_path / "bad.json"))
 
 
+def test_einsums_and_batched_matmuls_have_a_line_per_form():
+  g = tf.Graph()
+  with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [2, 8, 4, 4], name="x")
+    w = tf.compat.v1.placeholder(tf.float32, [4, 4, 16], name="w")
+    m = tf.compat.v1.placeholder(tf.float32, [16, 16], name="m")
+    einsum, matmul = tf.raw_ops.Einsum, tf.raw_ops.BatchMatMulV2
+    einsum(inputs=[x, w], equation="abcd,cde->abe", name="dense")  # no batch label
+    einsum(inputs=[x, x], equation="BTNH,BSNH->BNTS", name="attention")  # B, N
+    y = tf.reshape(x, [2, 8, 16])
+    matmul(x=y, y=m, name="by_matrix")
+    matmul(x=y, y=y, adj_y=True, name="batched")
+  graph = Graph(g.as_graph_def())
+  shapes = infer_shapes(graph, [])
+  lines = {n: op_cost.node_cost(graph.node(n), shapes, graph).line
+           for n in ("dense", "attention", "by_matrix", "batched")}
+  assert lines == {"dense": "Einsum:dense", "attention": "Einsum",
+                   "by_matrix": "BatchMatMulV2:broadcast", "batched": "BatchMatMulV2"}
+  # A form the table has no line for takes its op type's (older tables).
+  table = op_cost.CostTable(op_fixed={"Einsum": 1e-4, "Einsum:dense": 1e-6},
+                            op_factor={"Einsum": 5.0})
+  assert (table.fixed("Einsum:dense"), table.factor("Einsum:dense")) == (1e-6, 5.0)
+  assert table.fixed("BatchMatMulV2:broadcast") == table.default_fixed == 0.0
+  model = op_cost.CostModel(_cluster(), table)
+  dense = op_cost.node_cost(graph.node("dense"), shapes, graph)
+  assert model.compute_time(dense) == pytest.approx(1e-6 + 5.0 * model.roofline(dense))
+
+
 def test_place_by_layers_spreads_parameters_over_devices():
   graph_def = load_graph(os.path.join(EXAMPLES, "gpt_raw_train_tiny.pb"))
   placed = graph_sim.place_by_layers(graph_def, 4)

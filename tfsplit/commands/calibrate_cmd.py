@@ -25,9 +25,8 @@ def define_flags(fv):
   common.define_output(fv, "Write the cost table (JSON) here.")
   flags.DEFINE_integer("repeats", 10, "Untraced runs per graph (the median "
                        "is its step time).", lower_bound=1, flag_values=fv)
-  flags.DEFINE_integer("traced", 5, "Traced runs per graph (the median of "
-                       "each op's kernel time is kept).", lower_bound=1,
-                       flag_values=fv)
+  flags.DEFINE_integer("traced", 5, "Traced runs per graph (each op's fastest "
+                       "kernel time is kept).", lower_bound=1, flag_values=fv)
   common.define_source(fv, variables=False)
 
 
@@ -50,7 +49,7 @@ def run(fv, args):
   bandwidth = f"{table.bandwidth / 1e9:.4g} GB/s" if table.bandwidth else "?"
   sys.stdout.write(
       f"wrote {fv.output}: {len(table.entries)} measured op shapes, "
-      f"{len(table.op_factor)} op types; MatMul {flops}, copy {bandwidth}; "
+      f"{len(table.op_factor)} fitted lines (op types and forms); MatMul {flops}, copy {bandwidth}; "
       f"per-op overhead {table.op_overhead * 1e6:.3g} us, per-step "
       f"{table.step_overhead * 1e6:.3g} us, kernel scale "
       f"{table.time_scale:.3g}, in a step x{table.graph_scale:.3g}; logical devices: "

@@ -2,32 +2,38 @@
 
 Op times are measured where they matter: inside a whole graph run by TF's
 executor (after Grappler), from the step stats of a traced Session run. Each
-node's kernel time lands in the table under its signature (op and shapes);
-the median over nodes and runs is kept. A node that Grappler fused into a
-neighbour or folded away has no time of its own and is recorded as 0: its
-work is in the fused node's time, as it is when the graph runs for real.
+node's kernel time lands in the table under its signature (op and shapes):
+the median over such nodes of each one's fastest run. A node that Grappler
+fused into a neighbour or folded away has no time of its own and is
+recorded as 0: its work is in the fused node's time, as it is when the
+graph runs for real.
 
 The standard micro-benchmarks give the machine-level part, without the
 graph to be predicted:
 - chains of one op each (MatMuls, elementwise ops, transposes, reductions,
   copies, and the ops of attention, GELU, masks, the loss and Adam, at
-  several sizes): the best MatMul FLOP/s and copy bandwidth (the roofline),
+  several sizes; einsums and batched matmuls in each of their forms, see
+  op_cost.op_form): the best MatMul FLOP/s and copy bandwidth (the roofline),
   the launch cost of a step, and `time_scale`, the ratio of an untraced
   run's time to the summed traced op times;
-- small synthetic training steps (transformer blocks written with matmuls
-  and with einsums, MLPs; forward, gradients, an Adam update): on a small
-  CPU an op inside a step costs several times what it costs alone in a
-  chain (ops run side by side and wait for the same intra-op threads).
-  Each op type's line is fixed seconds per call, what a call costs alone
-  (the chains), plus a factor times the roofline, fitted on its traced
-  times inside the steps where it runs there (the waiting grows with the
-  op: a split's smaller ops wait less), else on the chains; `graph_scale`
-  scales the lines to the steps' untraced times;
+- small synthetic training steps (transformer blocks written with matmuls,
+  as tf_keras writes them (einsums) and as Keras 3 does (batched matmuls by
+  a matrix, attention einsums), MLPs; forward, gradients, an Adam update):
+  on a small CPU an op inside a step costs several times what it costs
+  alone in a chain (ops run side by side and wait for the same intra-op
+  threads). Each line (an op type, or one of its forms) is fixed seconds
+  per call, what a call costs alone (the chains), plus a factor times the
+  roofline, fitted on its traced times inside the steps where it runs there
+  (the waiting grows with the op: a split's smaller ops wait less), else on
+  the chains; `graph_scale` scales the lines to the steps' untraced times;
 - chains between two logical CPUs: how much of two devices' work overlaps
   (`concurrency`: 1 where they share the cores), and the fixed cost of one
   collective and of one cross-device transfer.
-Each is a median over repeated runs (noise from other work on the machine
-only adds time to some runs).
+Untraced times are medians over repeated runs, as a step is timed. Traced
+op times are each node's fastest run: other work on the machine adds the
+most to the ops that hand work to the intra-op threads (their wake-ups wait
+for the cores), which would skew one op type against another; the level
+of a step comes from the untraced medians.
 """
 import collections
 import os
@@ -67,12 +73,12 @@ class Profile:
 
   def __init__(self, node_times, step_time, traced_sum):
     self.node_times = node_times   # node name -> [seconds per traced run]
-    self.step_time = step_time     # median untraced Session.run, seconds
+    self.step_time = step_time     # median untraced call, seconds
     self.traced_sum = traced_sum   # median summed kernel time of a traced run
 
-  def median(self, name):
+  def fastest(self, name):
     times = self.node_times.get(name)
-    return statistics.median(times) if times else None
+    return min(times) if times else None
 
 
 def _feed_value(dtype, shape, rng):
@@ -203,7 +209,8 @@ def profile_graph(graph_def, repeats=10, traced=5, seed=0):
 
 
 def entries_from_profile(graph, shapes, profile):
-  """{signature: median seconds} over the graph's nodes that do work.
+  """{signature: seconds} over the graph's nodes that do work: the median
+  over its nodes of each node's fastest traced run.
 
   Nodes absent from the step stats (fused or folded by Grappler) count 0.
   """
@@ -212,10 +219,10 @@ def entries_from_profile(graph, shapes, profile):
     if node.op in ("Const", "Placeholder", "VarHandleOp") or \
         variables_lib.is_variable_node(node):
       continue
-    times = profile.node_times.get(node.name)
+    seconds = profile.fastest(node.name)
     sig = op_cost.signature(node, shapes)
-    if times:
-      samples[sig].extend(times)
+    if seconds is not None:
+      samples[sig].append(seconds)
     else:
       samples[sig].append(0.0)
   return {sig: statistics.median(v) for sig, v in samples.items()}
@@ -285,6 +292,13 @@ def _model_ops(rng):
     w_in, w_out = const([d, heads, d // heads]) / d, const([heads, d // heads, d]) / d
     _chain(f"einsum_{b}_{n}_{d}", [b, n, d], lambda x, w_in=w_in, w_out=w_out: tf.einsum(
         "abcd,cde->abe", tf.einsum("abc,cde->abde", x, w_in), w_out))
+    # Keras 3's attention: batched einsums over [batch, sequence, heads,
+    # head size]; its dense layers: a batched matmul by one matrix.
+    _chain(f"einsum_attention_{b}_{n}_{d}", [b, n, heads, d // heads],
+           lambda x: tf.einsum("BNTS,BSNH->BTNH", tf.nn.softmax(
+               tf.einsum("BTNH,BSNH->BNTS", x, x)), x))
+    w = const([d, d]) / d
+    _chain(f"dense_{b}_{n}_{d}", [b, n, d], lambda x, w=w: tf.linalg.matmul(x, w))
     c = const([b, heads, n, d // heads])
     _chain(f"heads_{b}_{n}_{d}", [b, n, heads, d // heads],
            lambda x, c=c: tf.transpose(tf.transpose(x, [0, 2, 1, 3]) * c, [0, 2, 1, 3]))
@@ -321,14 +335,16 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
   return g.as_graph_def()
 
 
-def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256):
+def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
+                    first_style=0):
   """A small transformer's training step (forward, tf.gradients, an Adam
-  update; every other block in einsums, as Keras layers write it) with its
-  weights and optimizer state fed: the op mix and the
+  update) with its weights and optimizer state fed: the op mix and the
   parallel structure of a real step, which chains of one op lack. Inside a
   step, ops run side by side on the inter-op threads and their kernels wait
   for the same intra-op threads: on a small CPU each op costs several times
-  what it costs alone in a chain."""
+  what it costs alone in a chain. Block i is written in style
+  (i + first_style) % 3: matmuls and transposes (0), tf_keras' einsums (1),
+  Keras 3's batched matmuls by a matrix and attention einsums (2)."""
   g = tf.Graph()
   with g.as_default():
     feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
@@ -345,6 +361,10 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256):
       var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
       return (x - mean) * tf.math.rsqrt(var + 1e-5) * weight(hidden) + weight(hidden)
 
+    def dense(t, units):   # Keras 3's Dense on a sequence
+      return tf.linalg.matmul(tf.reshape(t, [batch, seq, -1]),
+                              weight(t.shape[-1], units)) + weight(units)
+
     def heads_of(t):
       return tf.transpose(tf.reshape(t, [batch, seq, heads, hidden // heads]),
                           [0, 2, 1, 3])
@@ -358,7 +378,19 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256):
         h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
         x = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
         continue
-      if i % 2:   # attention as Keras' MultiHeadAttention writes it: einsums
+      style = (i + first_style) % 3
+      if style == 2:   # as Keras 3 writes it: 3-d dense matmuls, batched einsums
+        y = norm(x)
+        q, k, v = (tf.reshape(dense(y, hidden), [batch, seq, heads, hd]) for _ in range(3))
+        scores = tf.einsum("BTNH,BSNH->BNTS", q, k) * hd ** -0.5
+        probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+        ctx = tf.reshape(tf.einsum("BNTS,BSNH->BTNH", probs, v), [batch * seq, hidden])
+        x = x + tf.reshape(dense(ctx, hidden), [batch * seq, hidden])
+        h = dense(norm(x), 4 * hidden)
+        h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+        x = x + tf.reshape(dense(h, hidden), [batch * seq, hidden])
+        continue
+      if style == 1:   # as tf_keras' MultiHeadAttention writes it: einsums
         y = tf.reshape(norm(x), [batch, seq, hidden])
         q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
                    weight(heads, hd) for _ in range(3))
@@ -401,10 +433,11 @@ def training_steps(repeats, traced, say=None):
   """[(graph, shapes, Profile)] of the small training steps of
   _TRAINING_STEPS, each run (untraced and traced) by profile_graph."""
   out = []
-  for blocks, batch, seq, hidden in _TRAINING_STEPS:
+  for k, (blocks, batch, seq, hidden) in enumerate(_TRAINING_STEPS):
     if say:
       say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}")
-    graph_def = _training_graph(blocks, batch, seq, hidden)
+    # Each style of block at several sizes.
+    graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k)
     graph = Graph(graph_def)
     out.append((graph, infer_shapes(graph, []),
                 profile_graph(graph_def, repeats=2 * repeats, traced=traced)))
@@ -412,18 +445,19 @@ def training_steps(repeats, traced, say=None):
 
 
 def in_step_points(steps):
-  """{signature: (op, NodeCost, median traced seconds)} of the ops of the
-  training steps, as they run inside a step."""
+  """{signature: (line, NodeCost, seconds)} of the ops of the training
+  steps, as they run inside a step: the median over its nodes of each
+  node's fastest traced run."""
   samples, costs = collections.defaultdict(list), {}
   for graph, shapes, profile in steps:
     for node in graph.nodes:
-      times = profile.node_times.get(node.name)
+      seconds = profile.fastest(node.name)
       cost = op_cost.node_cost(node, shapes, graph)
-      if not times or cost.comm:
+      if seconds is None or cost.comm:
         continue
       sig = op_cost.signature(node, shapes)
-      samples[sig].extend(times)
-      costs[sig] = (node.op, cost)
+      samples[sig].append(seconds)
+      costs[sig] = (cost.line, cost)
   return {sig: (costs[sig][0], costs[sig][1], statistics.median(v))
           for sig, v in samples.items()}
 
@@ -518,7 +552,7 @@ def _session_seconds(graph_def, repeats):
 def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3):
   """Seconds one more unit of _devices_graph(kind) adds: the median over
   `trials` of the slope between two lengths, each the median of `repeats`
-  runs (the runs of the two lengths interleaved)."""
+  runs."""
   graphs = [_devices_graph(kind, n) for n in lengths]
   slopes = []
   for _ in range(trials):
@@ -614,12 +648,12 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
       "dispatch chain")
   entries, profile, graph, shapes = micro_benchmark(repeats, traced)
   runs = [(profile.step_time,) + _sequential_sum(
-      graph, {n: profile.median(n) for n in graph.node_names()})]
+      graph, {n: profile.fastest(n) for n in graph.node_names()})]
   for length in (_DISPATCH_CHAIN // 4, _DISPATCH_CHAIN):
     _, chain_profile, chain, _ = micro_benchmark(repeats, traced,
                                                  _dispatch_graph(length))
     runs.append((chain_profile.step_time,) + _sequential_sum(
-        chain, {n: chain_profile.median(n) for n in chain.node_names()}))
+        chain, {n: chain_profile.fastest(n) for n in chain.node_names()}))
   table = op_cost.CostTable(machine=machine_info())
   table.time_scale, table.op_overhead, table.step_overhead = \
       fit_step_model(runs)
@@ -638,7 +672,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
       continue
     seconds = entries[sig]
     cost = op_cost.node_cost(node, shapes, graph)
-    costs[sig] = (node.op, cost)
+    costs[sig] = (cost.line, cost)
     if node.op == "MatMul" and cost.flops:
       best_flops = max(best_flops, cost.flops / seconds)
     if node.op == "DeepCopy" and cost.bytes_moved:
@@ -656,7 +690,8 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
     for node in g.nodes:
       sig = op_cost.signature(node, g_shapes)
       if sig in g_entries and sig not in costs:
-        costs[sig] = (node.op, op_cost.node_cost(node, g_shapes, g))
+        cost = op_cost.node_cost(node, g_shapes, g)
+        costs[sig] = (cost.line, cost)
     table.machine.setdefault("graphs", []).append(
         {"nodes": len(graph_def.node), "step_time": g_profile.step_time,
          "traced_sum": g_profile.traced_sum})

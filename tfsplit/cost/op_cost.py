@@ -16,7 +16,11 @@ A CostTable (written by `tfsplit calibrate`) holds times measured on a real
 machine. A measured entry for the node's op and shapes wins over the model;
 otherwise each op type's fitted line, a fixed time per call plus an
 efficiency factor times the roofline, corrects the roofline (Alpa's rule:
-measured costs override analytic ones). The fixed part matters on CPUs:
+measured costs override analytic ones). An op type whose cost per call
+depends on its form has a line per form (op_form: an einsum without batch
+labels runs as one MatMul, a batched one transposes its inputs; a batched
+matmul of a matrix by a batch of them is one MatMul over the rows). The
+fixed part matters on CPUs:
 a small Transpose or BatchMatMul costs tens of microseconds whatever its
 size (kernel set-up, the intra-op thread pool), and it does not shrink when
 a split makes the tensors smaller. The table also holds what a step on
@@ -77,10 +81,16 @@ class NodeCost:
   comm: str = None          # a value of collectives.OP_COLLECTIVE, or None
   comm_bytes: int = 0
   group_size: int = 1
+  form: str = ""            # see op_form: '' or the form its line is fitted for
 
   @property
   def bytes_moved(self):
     return self.bytes_read + self.bytes_written
+
+  @property
+  def line(self):
+    """The key of its fitted line in a CostTable: 'op' or 'op:form'."""
+    return f"{self.op}:{self.form}" if self.form else self.op
 
 
 def _tensor_bytes(shapes, text):
@@ -148,6 +158,35 @@ def group_size(node, graph=None):
   return 1
 
 
+def _einsum_form(equation):
+  """'dense' for an einsum with no batch label (one in both inputs and the
+  output): TF runs it as reshapes and one MatMul, as a dense layer over
+  heads is written. A batched einsum (attention's) transposes its inputs to
+  a batched matmul: a large fixed time per call."""
+  inputs, _, output = equation.replace(" ", "").partition("->")
+  parts = inputs.split(",")
+  if len(parts) != 2 or not output:
+    return ""
+  batch = set(parts[0]) & set(parts[1]) & set(output)
+  return "" if batch - {"."} or "..." in output else "dense"
+
+
+def op_form(node, shapes):
+  """The form of an op type whose cost per call differs by more than its
+  sizes: an einsum without batch labels ('dense'), a batched matmul of a
+  matrix by a batch of them ('broadcast': one MatMul over the rows, as
+  Keras' Dense on a sequence writes it); '' otherwise."""
+  if node.op == "Einsum" and "equation" in node.attr:
+    return _einsum_form(node.attr["equation"].s.decode(errors="replace"))
+  if node.op in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
+    data = [t for t in node.input if not t.startswith("^")][:2]
+    for t in data:
+      info = shapes.get(t)
+      if info is not None and info.shape is not None and len(info.shape) == 2:
+        return "broadcast"
+  return ""
+
+
 def node_cost(node, shapes, graph=None):
   """NodeCost of one NodeDef; `graph` (a tfsplit Graph) resolves group sizes."""
   op = node.op
@@ -189,7 +228,8 @@ def node_cost(node, shapes, graph=None):
   if op in ("ResourceGather", "Gather", "GatherV2"):
     # Only the gathered rows are read, not the whole table.
     read = written + (_tensor_bytes(shapes, data[1]) if len(data) > 1 else 0)
-  return NodeCost(node.name, op, flops, read, written, dtype)
+  return NodeCost(node.name, op, flops, read, written, dtype,
+                  form=op_form(node, shapes))
 
 
 def _shape_text(info):
@@ -234,8 +274,10 @@ def signature(node, shapes):
 class CostTable:
   """Measured op costs of one machine (see `tfsplit calibrate`).
 
-  entries: signature -> seconds (the median of the runs measured).
-  op_factor: op type -> measured / roofline time, for shapes not measured.
+  entries: signature -> seconds (the median over its nodes of each one's
+    fastest traced run).
+  op_factor: line (an op type, or 'op:form' for the forms of op_form) ->
+    measured / roofline time, for shapes not measured.
   default_factor: the factor for op types never measured.
   op_overhead: seconds every op that runs costs on top of its kernel (the
     executor's dispatch gap between ops).
@@ -244,7 +286,7 @@ class CostTable:
   step_overhead: seconds every step costs before its first op (launch).
   flops / bandwidth: the machine's measured best MatMul FLOP/s and copy
     bytes/s; the roofline of a calibrated device uses these.
-  op_fixed: op type -> seconds per call that do not scale with its tensors
+  op_fixed: line -> seconds per call that do not scale with its tensors
     (the intercept of its fitted line); default_fixed for other op types.
   graph_scale: a whole training step's time over the sum of its ops' times
     by the fitted lines (gaps between ops, ops side by side on the cores);
@@ -271,9 +313,15 @@ class CostTable:
   collective_overhead: float = 0.0
   transfer_overhead: float = 0.0
 
-  def fixed(self, op):
-    """Seconds of an op type's call that do not scale with its tensors."""
-    return self.op_fixed.get(op, self.default_fixed)
+  def fixed(self, line):
+    """Seconds of a call on an op type's line ('op' or 'op:form', see
+    NodeCost.line) that do not scale with its tensors; a form the table has
+    no line for takes its op type's."""
+    return _on_line(self.op_fixed, line, self.default_fixed)
+
+  def factor(self, line):
+    """The roofline factor of a line, as `fixed`."""
+    return _on_line(self.op_factor, line, self.default_factor)
 
   def lookup(self, sig):
     """Seconds for a measured signature (None if not measured).
@@ -339,11 +387,12 @@ class CostTable:
   def fit_factors(self, costs, seconds=None, fixed=None):
     """Sets op_factor / op_fixed and their defaults from measured entries.
 
-    costs: signature -> (op, roofline seconds) for the measured signatures.
-    Per op type, seconds = fixed + factor * roofline, fitted by least squares
-    over its measured sizes (both kept >= 0); one size gives the ratio alone.
+    costs: signature -> (line, roofline seconds) for the measured signatures.
+    Per line (an op type or one of its forms), seconds = fixed + factor *
+    roofline, fitted by least squares over its measured sizes (both kept
+    >= 0); one size gives the ratio alone.
     seconds: signature -> measured seconds to fit instead of the entries.
-    fixed: op type -> fixed seconds to keep (only the factor is fitted).
+    fixed: line -> fixed seconds to keep (only the factor is fitted).
     """
     by_op = {}
     for sig, measured in (self.entries if seconds is None else seconds).items():
@@ -364,6 +413,12 @@ class CostTable:
     if self.op_factor:
       self.default_factor = statistics.median(self.op_factor.values())
       self.default_fixed = statistics.median(self.op_fixed.values())
+
+
+def _on_line(values, line, default):
+  if line in values:
+    return values[line]
+  return values.get(line.partition(":")[0], default)
 
 
 def _fit_factor(points, fixed):
@@ -447,9 +502,9 @@ class CostModel:
     roof = self.roofline(cost, device)
     if self.table is None:
       return self.op_overhead + roof
-    factor = self.table.op_factor.get(cost.op, self.table.default_factor)
+    factor = self.table.factor(cost.line)
     # Views and metadata ops (no roofline time) launch no kernel to set up.
-    fixed = self.table.fixed(cost.op) if roof > 0 else 0.0
+    fixed = self.table.fixed(cost.line) if roof > 0 else 0.0
     return self.op_overhead + self.table.graph_scale * (fixed + factor * roof)
 
   def compute_parts(self, cost, device=0, sig=None):
@@ -459,7 +514,7 @@ class CostModel:
     seconds = self.compute_time(cost, device, sig)
     fixed = self.op_overhead
     if self.table is not None and (cost.flops or cost.bytes_moved):
-      fixed += self.table.graph_scale * self.table.fixed(cost.op)
+      fixed += self.table.graph_scale * self.table.fixed(cost.line)
     fixed = min(fixed, seconds)
     return fixed, seconds - fixed
 

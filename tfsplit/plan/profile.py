@@ -82,6 +82,12 @@ class ModelProfile:
   concurrency: Optional[float] = None
   collective_overhead: float = 0.0
   transfer_overhead: float = 0.0
+  # Data parallelism adds per step: an all-reduce of each step output
+  # computed from the batch (the loss), and per gradient bucket a concat
+  # before its all-reduce and a split after it on every replica, priced
+  # as (fixed seconds, seconds per byte) by the cost model.
+  step_outputs: int = 1
+  bucket_copy: tuple = (0.0, 0.0)
 
   def __post_init__(self):
     if not self.layers:
@@ -240,6 +246,9 @@ def from_analysis(analysis, cost_model, source=None):
   shared = [l for l in report.layers if not l.variables]
   _, other = parts([n for l in shared for n in l.update])
   table = cost_model.table
+  from tfsplit.graph.endpoints import graph_outputs  # pylint: disable=import-outside-toplevel
+  step_outputs = sum(1 for name in graph_outputs(graph) if name in batch_dependent)
+  bucket_copy = _bucket_copy(cost_model)
   # Constants and inputs sit on every device (the memory estimator's static
   # part without the variables, which the rows hold).
   from tfsplit.memory import graph_memory  # pylint: disable=import-outside-toplevel
@@ -252,7 +261,20 @@ def from_analysis(analysis, cost_model, source=None):
                       collective_overhead=table.collective_overhead
                       if table is not None else 0.0,
                       transfer_overhead=table.transfer_overhead
-                      if table is not None else 0.0)
+                      if table is not None else 0.0,
+                      step_outputs=step_outputs, bucket_copy=bucket_copy)
+
+
+def _bucket_copy(cost_model, nbytes=1 << 20):
+  """(fixed seconds, seconds per byte) of packing a gradient bucket of
+  float32 gradients (ConcatV2) and unpacking it (SplitV), on device 0."""
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+
+  def seconds(size):
+    return sum(cost_model.compute_time(op_cost.NodeCost("bucket", op, 0, size, size))
+               for op in ("ConcatV2", "SplitV"))
+  fixed = seconds(4)
+  return fixed, max(0.0, seconds(nbytes) - fixed) / nbytes
 
 
 def from_graph(graph_def, cost_model, source=None):

@@ -462,9 +462,15 @@ class Costing(object):
       per_layer = self.tp_collectives * np.where(again, 1.5, 1.0)
       launches += c.dp * m * float(np.where(split, per_layer, 0.0).sum())
     if c.dp > 1:
+      # The step's outputs (the loss), all-reduced over dp once per step.
+      launches += c.tp * self.profile.step_outputs
+      fixed, per_byte = self.profile.bucket_copy
       for j, i in ranges:
         grads = float((self.params[j:i] / tpdiv[j:i]).sum())
-        launches += c.tp * max(1, math.ceil(grads / self.bucket_bytes))
+        buckets = max(1, math.ceil(grads / self.bucket_bytes))
+        launches += c.tp * buckets
+        # Every replica packs and unpacks its buckets.
+        work += c.tp * c.dp * (buckets * fixed + grads * per_byte)
         if c.zero:
           launches += c.tp * float(self.variables[j:i].sum())
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
