@@ -137,3 +137,12 @@ def test_rewrite_reports_lean_ops_per_device(tmp_path, capsys):
   sums = sum(1 for n in rewritten.node if n.device == device0 and n.op == "Sum")
   original_sums = sum(1 for n in original.node if n.op == "Sum")
   assert sums < original_sums, (sums, original_sums)  # no-op gradient Sums are gone
+  # No device carries a constant nothing reads (a global shape or size that
+  # a local one replaced, a leaf of folded shape arithmetic), unless the
+  # original carried it unread too.
+  read = {t.lstrip("^").partition(":")[0] for n in rewritten.node for t in n.input}
+  unread_before = {n.name for n in original.node if n.op == "Const"} - {
+      t.lstrip("^").partition(":")[0] for n in original.node for t in n.input}
+  unread = [n.name for n in rewritten.node if n.op == "Const" and n.name not in read
+            and n.attr["_tfsplit_source"].s.decode() not in unread_before]
+  assert not unread, unread[:5]

@@ -17,6 +17,7 @@ from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.framework import op_def_registry
 from tensorflow.python.framework import tensor_util
 
+from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph, parse_input
 
 _SHAPE_OPS = frozenset(["Shape", "Size", "Rank", "ShapeN"])
@@ -142,7 +143,30 @@ def _fold(graph, shapes):
         if text in redirect:
           node.input[i] = redirect[text]
   _reductions_over_nothing_to_identity(out)
+  _drop_orphaned_constants(out, graph)
   return out, {name: values[name] for name in targets}
+
+
+def _drop_orphaned_constants(graph_def, graph):
+  """Removes (in place) the Consts that `graph` (the graph before folding)
+  had consumers for and `graph_def` has none: the leaves of folded shape
+  arithmetic and the axes of reductions made Identity. TF would prune them
+  before running the step, but the split would first copy each to every
+  device. A Const nothing read before is kept (in a graph whose outputs are
+  not marked, it is one), as is a marked output."""
+  read = set()
+  for node in graph_def.node:
+    for text in node.input:
+      if text[:1] == "^":
+        text = text[1:]
+      read.add(text.partition(":")[0])
+  orphans = {node.name for node in graph_def.node
+             if node.op == "Const" and node.name not in read and graph.has_consumers(node.name)
+             and variables_lib.OUTPUT_INDEX_ATTR not in node.attr}
+  if orphans:
+    kept = [node for node in graph_def.node if node.name not in orphans]
+    del graph_def.node[:]
+    graph_def.node.extend(kept)
 
 
 # Reductions that return their input unchanged when the axes are empty.

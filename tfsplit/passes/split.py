@@ -52,7 +52,7 @@ from tfsplit.passes.result import SplitResult
 from tfsplit.pipeline import microbatches as microbatch_lib
 from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
-from tfsplit.graph.endpoints import graph_inputs
+from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.materialize import materialize
@@ -256,6 +256,37 @@ def offload_optimizer(state):
                                          state.offloaded_nodes).strip())
 
 
+def drop_unread_constants(state):
+  """Removes the device copies of constants that no copy reads. A rule's
+  localize gives a device its own shape or size constant, and folding leaves
+  the leaves of shape arithmetic unread, so the global constant's copy on
+  each device goes unread: TF would prune it before the first step, but
+  first every tool would carry it (a third of a 12-block GPT's split graph).
+  The copies of the graph's outputs stay (in a graph whose outputs are not
+  marked, every unread node counts as one)."""
+  out = state.materialized
+  graph_def, records = out.graph_def, out.records
+  read = set()
+  for node in graph_def.node:
+    for text in node.input:
+      read.add(text[1:] if text[:1] == "^" else text.partition(":")[0])
+  outputs = set(graph_outputs(state.analysis.graph))
+  unread = set()
+  for node in graph_def.node:
+    if node.op != "Const" or node.name in read:
+      continue
+    record = records.get(node.name)
+    if record is None or record.source not in outputs:
+      unread.add(node.name)
+  if not unread:
+    return
+  kept = [node for node in graph_def.node if node.name not in unread]
+  del graph_def.node[:]
+  graph_def.node.extend(kept)
+  for name in unread:
+    records.pop(name, None)
+
+
 def check_acyclic(state):
   if inputs_come_first(state.materialized.graph_def):
     return  # materialize adds nodes after their inputs; schedules may not
@@ -269,7 +300,7 @@ def check_acyclic(state):
 PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
           shard_optimizer_state, assign_stages, materialize_devices,
           check_microbatch_independence, order_work, bucket_gradients, offload_optimizer,
-          check_acyclic)
+          drop_unread_constants, check_acyclic)
 
 
 @without_gc
