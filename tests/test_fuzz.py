@@ -35,7 +35,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = sorted(glob.glob(os.path.join(ROOT, "examples", "*_train_tiny.pb")))
-CI_CASES = 300
+CI_CASES = 150
 SLOW_CASES = 2000
 WORKERS = 2
 

@@ -182,8 +182,8 @@ def _callbacks(K, directory, tag):
   ]
 
 
-@pytest.mark.parametrize("name", [
-    "causallm_keras3", pytest.param("causallm_tfkeras", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["causallm_keras3", "causallm_tfkeras"])
 def test_callbacks_and_checkpoint_into_plain_model(name, tmp_path):
   """ModelCheckpoint + EarlyStopping + LearningRateScheduler + validation_data:
   the same history as plain fit (the schedule's learning rates reach the split

@@ -131,6 +131,10 @@ def test_auto_takes_sqrt_n_segments():
   # Each segment keeps its first block's input only: the second block's
   # input is recomputed with the first block.
   assert any(o.startswith(blocks[1] + "/") for o in result.copies.values())
+
+
+@pytest.mark.slow
+def test_auto_trains_exactly():
   check_training(example("gpt_raw", "small"), mesh="dp=1", recompute="auto")
 
 
