@@ -242,21 +242,23 @@ def _runtime_copy(graph_def, outputs, leave_out=()):
       continue
     live.add(name)
     for text in nodes[name].input:
-      if text[:1] == "^":
-        text = text[1:]
-      elif ":" in text:
-        text = parse_input(text)[0]
+      # (node names have no ':'; '^name' is a control input)
+      text = text[1:] if text[:1] == "^" else text.partition(":")[0]
       if text not in live and text in nodes:
         stack.append(text)
   same, first = {}, {}  # a constant -> the identical one it is replaced by
   keep = set(outputs)
+  plain_const = {"dtype", "value", *_RECORD_ATTRS}
   for node in graph_def.node:
     if node.op != "Const" or node.input or node.name not in live or node.name in keep:
       continue
     attr = node.attr
-    key = (node.device,) + tuple(
-        (k, attr[k].SerializeToString(deterministic=True)) for k in sorted(attr)
-        if k not in _RECORD_ATTRS)
+    if plain_const.issuperset(attr):  # the usual Const: its dtype and value say it all
+      key = (node.device, attr["dtype"].type, attr["value"].tensor.SerializeToString())
+    else:
+      key = (node.device,) + tuple(
+          (k, attr[k].SerializeToString(deterministic=True)) for k in sorted(attr)
+          if k not in _RECORD_ATTRS)
     if key in first:
       same[node.name] = first[key]
     else:
