@@ -154,19 +154,11 @@ def _drop_orphaned_constants(graph_def, graph):
   before running the step, but the split would first copy each to every
   device. A Const nothing read before is kept (in a graph whose outputs are
   not marked, it is one), as is a marked output."""
-  read = set()
-  for node in graph_def.node:
-    for text in node.input:
-      if text[:1] == "^":
-        text = text[1:]
-      read.add(text.partition(":")[0])
-  orphans = {node.name for node in graph_def.node
-             if node.op == "Const" and node.name not in read and graph.has_consumers(node.name)
-             and variables_lib.OUTPUT_INDEX_ATTR not in node.attr}
-  if orphans:
-    kept = [node for node in graph_def.node if node.name not in orphans]
-    del graph_def.node[:]
-    graph_def.node.extend(kept)
+  folded = Graph(graph_def)   # edits graph_def in place
+  folded.remove_nodes([node.name for node in graph_def.node
+                       if node.op == "Const" and not folded.has_consumers(node.name)
+                       and graph.has_consumers(node.name)
+                       and variables_lib.OUTPUT_INDEX_ATTR not in node.attr])
 
 
 # Reductions that return their input unchanged when the axes are empty.

@@ -405,6 +405,8 @@ class Graph(object):
   def remove_nodes(self, names):
     """Removes nodes; callers must have rewired their consumers first."""
     names = set(names)
+    if not names:
+      return  # (rebuilding the node list copies every node)
     keep = [n for n in self._graph_def.node if n.name not in names]
     del self._graph_def.node[:]
     self._graph_def.node.extend(keep)

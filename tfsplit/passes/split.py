@@ -56,6 +56,7 @@ from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.materialize import materialize
+from tfsplit.sharding.mesh import is_gpu
 from tfsplit.sharding.propagate import propagate
 from tfsplit.sharding.spec import Sharding
 from tfsplit.strategies.megatron import megatron_plan
@@ -265,26 +266,14 @@ def drop_unread_constants(state):
   The copies of the graph's outputs stay (in a graph whose outputs are not
   marked, every unread node counts as one)."""
   out = state.materialized
-  graph_def, records = out.graph_def, out.records
-  read = set()
-  for node in graph_def.node:
-    for text in node.input:
-      read.add(text[1:] if text[:1] == "^" else text.partition(":")[0])
+  graph = Graph(out.graph_def)   # edits the split graph in place
   outputs = set(graph_outputs(state.analysis.graph))
-  unread = set()
-  for node in graph_def.node:
-    if node.op != "Const" or node.name in read:
-      continue
-    record = records.get(node.name)
-    if record is None or record.source not in outputs:
-      unread.add(node.name)
-  if not unread:
-    return
-  kept = [node for node in graph_def.node if node.name not in unread]
-  del graph_def.node[:]
-  graph_def.node.extend(kept)
+  unread = [node.name for node in out.graph_def.node
+            if node.op == "Const" and not graph.has_consumers(node.name)
+            and getattr(out.records.get(node.name), "source", None) not in outputs]
+  graph.remove_nodes(unread)
   for name in unread:
-    records.pop(name, None)
+    out.records.pop(name, None)
 
 
 def check_acyclic(state):
@@ -341,7 +330,7 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
 def _stage_costs(analysis, mesh):
   """(seconds per model layer, seconds per cut) on the mesh's kind of device:
   roofline op times, and activations plus their gradients over one link."""
-  gpu = any("GPU" in d.upper() for d in mesh.devices)
+  gpu = any(is_gpu(d) for d in mesh.devices)
   cluster = cluster_lib.from_preset("h100-80gb" if gpu else "cpu-host", num_devices=2,
                                     devices_per_host=2)
   model = op_cost.CostModel(cluster)

@@ -141,14 +141,19 @@ def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
                     f"plan for {devices} devices")
   if available is not None:
     found.check_devices(available)
-  found.check_graph(model_layer_names(graph_def), source)
-  return found.bind(graph_def)
-
-
-def model_layer_names(graph_def):
-  """Names of the graph's layers with parameters (what plans cut)."""
   from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
-  return [l.name for l in Analysis(graph_def).layers.model_layers]
+  analysis = Analysis(graph_def)   # one layer detection for both
+  found.check_graph(model_layer_names(graph_def, analysis), source)
+  return found.bind(graph_def, analysis)
+
+
+def model_layer_names(graph_def, analysis=None):
+  """Names of the graph's layers with parameters (what plans cut);
+  `analysis`: graph_def's Analysis, if the caller has one."""
+  if analysis is None:
+    from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
+    analysis = Analysis(graph_def)
+  return [l.name for l in analysis.layers.model_layers]
 
 
 __all__ = ["AUTO", "DEFAULT_RESERVE", "Plan", "PlanError", "Planner", "SearchResult",

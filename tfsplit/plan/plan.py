@@ -78,10 +78,11 @@ class Plan:
       return tuple(self.recompute)
     return None if self.recompute == "none" else self.recompute
 
-  def bind(self, graph_def):
-    """Ties the plan to `graph_def` (the graph it was made for): what
-    split_options needs of it is kept, so it is called without the graph."""
-    self.bound_annotations = (replicated_annotations(graph_def, self.replicate)
+  def bind(self, graph_def, analysis=None):
+    """Ties the plan to `graph_def` (the graph it was made for; `analysis`:
+    its Analysis, if the caller has one): what split_options needs of it is
+    kept, so it is called without the graph."""
+    self.bound_annotations = (replicated_annotations(graph_def, self.replicate, analysis)
                               if self.replicate else {})
     return self
 
@@ -151,12 +152,14 @@ def _glob_escape(name):
   return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
 
 
-def replicated_annotations(graph_def, layers):
+def replicated_annotations(graph_def, layers, analysis=None):
   """{variable glob: all-None dims} for the weights of `layers` (names of
   the graph's model layers): annotations that keep those layers whole on
-  every device of the tensor-parallel axis (they override the strategy)."""
-  from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
-  analysis = Analysis(graph_def)
+  every device of the tensor-parallel axis (they override the strategy).
+  `analysis`: graph_def's Analysis, if the caller has one."""
+  if analysis is None:
+    from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
+    analysis = Analysis(graph_def)
   by_name = {l.name: l for l in analysis.layers.model_layers}
   var_of = {v.node: v for v in analysis.variables}
   out = {}

@@ -34,6 +34,7 @@ from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.graph.ir import Graph, parse_input, without_gc
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.sharding import builder as builder_lib
+from tfsplit.sharding.mesh import is_gpu
 
 _RECORD_ATTRS = (builder_lib.SOURCE_ATTR, builder_lib.DEVICE_ID_ATTR, builder_lib.SHARED_ATTR)
 
@@ -95,7 +96,7 @@ def _skip_idle_optimizers(graph_def, rewrite):
   """
   default = rewriter_config_pb2.RewriterConfig
   rewrite.disable_tfg_optimizer = True
-  if any("GPU" in node.device.upper() for node in graph_def.node):
+  if any(is_gpu(node.device) for node in graph_def.node):
     return
   if rewrite.layout_optimizer == default.DEFAULT and (
       rewrite.cpu_layout_conversion == default.NO_CONVERSION_ON_CPU):

@@ -97,7 +97,7 @@ class SplitFunction(object):
                                    else len(available_devices()),
                                    memory_reserve=plan_lib.DEFAULT_RESERVE
                                    if memory_reserve is None else memory_reserve)
-      options = self.plan.split_options(self.original_graph_def)
+      options = self.plan.split_options()   # resolve bound it to this graph
       mesh = options.pop("mesh")
       microbatches, schedule, layer_ranges, virtual_stages, recompute, zero = (
           options[k] for k in ("microbatches", "schedule", "layer_ranges",

@@ -8,6 +8,8 @@ import functools
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
+from tfsplit.sharding.mesh import is_gpu
+
 # Without a timeout: with one, TF starts a watchdog thread per collective and
 # step that lives for the whole timeout (a dp=2 step with a 600 s timeout and
 # one all-reduce per gradient left 8,000 threads after 50 steps). Devices of
@@ -47,7 +49,7 @@ def communication_hint(device):
   (`experimental.collective_nccl`) asks for it; "auto" runs TF's ring
   implementation on GPUs too, staging through host memory. A build without
   NCCL (TF's CPU wheel) falls back to the ring for "nccl"."""
-  return "nccl" if "GPU" in device.upper() else "auto"
+  return "nccl" if is_gpu(device) else "auto"
 
 
 def collective_node(op, name, device, inputs, dtype_enum, timeout_seconds=None):

@@ -13,6 +13,11 @@ from tfsplit.errors import PlanError
 _AXIS_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([0-9]+)\s*$")
 
 
+def is_gpu(device):
+  """Whether device string `device` names a GPU ('/device:GPU:0', '/gpu:1')."""
+  return "GPU" in device.upper()
+
+
 def local_cpu_devices(n):
   return [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(n)]
 
@@ -64,6 +69,11 @@ class Mesh(object):
   @staticmethod
   def axis_parts(axis):
     return axis.split("*")
+
+  @property
+  def on_gpus(self):
+    """Whether every device of the mesh is a GPU."""
+    return all(is_gpu(d) for d in self.devices)
 
   def size_of(self, axis):
     size = 1

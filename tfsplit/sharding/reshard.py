@@ -75,7 +75,7 @@ class Resharder(object):
     self.local_sums = []   # per running sum to order micro-batches by: {device id: tensor}
     # CollectiveReduceScatterV2 has an NCCL kernel only; elsewhere a
     # reduce-scatter is an all-to-all and a local sum.
-    self.nccl = all("GPU" in d.upper() for d in mesh.devices)
+    self.nccl = mesh.on_gpus
 
   # --- micro-batch sharing ------------------------------------------------------
   def rep(self, device_id):
