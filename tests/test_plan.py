@@ -606,6 +606,39 @@ def test_tensor_parallel_sizes_divide_the_heads():
     assert max(tps) == min(8, most)
 
 
+def _tp_all_reduces(graph_def):
+  """(the profile's tensor-parallel all-reduces per step, those the tp=2
+  rewrite emits on one device)."""
+  from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  profile = plan_lib.profile_graph(graph_def, 2, "h100-80gb")
+  split = split_graph(graph_def, Mesh({"tp": 2}))
+  emitted = [n.device for n in split.graph_def.node if n.op == "CollectiveReduceV2"]
+  return (sum(r.tp_collectives for r in profile.layers),
+          emitted.count(emitted[0]) if emitted else 0)
+
+
+@pytest.mark.parametrize("name", ["gpt_keras3", "mlp_raw"])
+def test_tensor_parallel_all_reduces_are_those_the_rewrite_emits(name):
+  # A block's Q, K and V read one tensor: one all-reduce of its gradient,
+  # not one per weight matrix (4 per block, 2 blocks). The MLP's pair starts
+  # at the batch, which has no gradient: its output's all-reduce alone.
+  counted, emitted = _tp_all_reduces(load_graph(_graph(name)))
+  assert counted == emitted == {"gpt_keras3": 8, "mlp_raw": 1}[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["bert_tfkeras", "llama_keras3", "vit_keras3"])
+def test_tensor_parallel_all_reduces_of_the_corpus(name):
+  # A post-norm block (BERT) reads its input in Q, K, V and the residual:
+  # each of the three gradients is all-reduced before the residual's adds.
+  from tfsplit.graph import load_graph as load  # pylint: disable=import-outside-toplevel
+  ex = example(name)
+  graph_def = load(ex.concrete("train"), variable_names=names(ex))
+  counted, emitted = _tp_all_reduces(graph_def)
+  assert counted == emitted > 0
+
+
 def test_plan_json_format_is_the_plan_file(tmp_path, capsys):
   path = tmp_path / "plan.json"
   code, text, err = _cli(["plan", _graph("mlp_raw"), "--devices", 2, "--format", "json",

@@ -60,9 +60,9 @@ class LayerRow:
   backward_fixed: float = 0.0
   update_fixed: float = 0.0  # the part of `update` that ZeRO's sharding keeps
   variables: int = 0        # weight tensors (ZeRO gathers each one)
-  # All-reduces per micro-batch when split over tp: one per weight matrix (a
-  # column-parallel matrix all-reduces its input's gradient, a row-parallel
-  # one its output), 4 in a transformer block.
+  # All-reduces per micro-batch when split over tp (a row-parallel matrix
+  # all-reduces its output, a column-parallel one its input's gradient, once
+  # per input): 4 in a transformer block.
   tp_collectives: int = 4
 
 
@@ -226,6 +226,15 @@ def from_analysis(analysis, cost_model, source=None):
       fixed_b[k] += b
       seconds[k] += total_f + total_b
   var_shape = {v.node: v.shape for v in analysis.variables}
+  # The all-reduces the megatron preset's split of each block adds, counted
+  # as the rewrite emits them.
+  from tfsplit.strategies.megatron import split_all_reduces  # pylint: disable=import-outside-toplevel
+  all_reduces = split_all_reduces(graph, shapes, analysis.variables, analysis.roles,
+                                  analysis.variable_free)
+  tp_collectives = [0] * len(model)
+  for layer in report.layers:
+    if layer.name in owner:
+      tp_collectives[owner[layer.name]] += sum(all_reduces.get(n, 0) for n in layer.forward)
   rows = []
   for k, layer in enumerate(model):
     flops = layer.forward_flops + layer.backward_flops
@@ -237,8 +246,7 @@ def from_analysis(analysis, cost_model, source=None):
         name=layer.name, forward=work * fshare, backward=work * (1 - fshare),
         forward_fixed=fixed_f[k], backward_fixed=fixed_b[k],
         update=upd, update_fixed=upd_fixed, variables=len(layer.variables),
-        tp_collectives=sum(1 for v in layer.variables
-                           if len(var_shape.get(v) or ()) >= 2),
+        tp_collectives=tp_collectives[k],
         params=layer.param_bytes,
         slots=layer.slot_bytes, activations=acts[k],
         input_bytes=cuts[k - 1] if k > 0 else 0, splittable=layer.block,

@@ -90,10 +90,8 @@ def find_weight_contractions(graph, shapes, variables, roles=None):
   return found
 
 
-def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=None, roles=None):
-  """{variable handle node: dims tuple} for the megatron preset."""
-  if not isinstance(graph, Graph):
-    graph = Graph(graph)
+def _pairing(graph, shapes, variables, roles):
+  """(contractions, {contraction node: 'column' | 'row'}) of the preset."""
   contractions = find_weight_contractions(graph, shapes, variables, roles)
   by_node = {c[0]: c for c in contractions}
   # First weight contractions reached downstream of each contraction.
@@ -122,6 +120,69 @@ def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=Non
     if len(hits) == 1 and kind.get(hits[0]) != "column":
       kind[name] = "column"
       kind[hits[0]] = "row"
+  return contractions, kind
+
+
+def split_all_reduces(graph, shapes, variables, roles, variable_free):
+  """{contraction node: all-reduces per step} that the preset's split adds,
+  as the rewrite emits them.
+
+  A row-parallel contraction's partial output is all-reduced forward. The
+  gradient of a column-parallel contraction's input is partial on each
+  device and all-reduced backward when that input has a gradient (it
+  depends on a variable). Contractions that read one tensor (through views:
+  Q, K and V of a pre-norm block) and are its only readers have their
+  gradients summed while partial: one all-reduce for all. Where the tensor
+  has other readers (the residual of a post-norm block), its gradient adds
+  replicated terms to the partial ones, and each is all-reduced first.
+  """
+  contractions, kind = _pairing(graph, shapes, variables, roles)
+  count, readers = {}, collections.defaultdict(list)
+  for name, operand, _, _ in contractions:
+    if kind.get(name) == "row":
+      count[name] = 1
+    elif kind.get(name) == "column":
+      data = [t for t in graph.node(name).input if not t.startswith("^")]
+      if len(data) > 1:
+        source = _view_source(graph, parse_input(data[1 - operand])[0])
+        if source not in variable_free:
+          readers[source].append(name)
+  for source, columns in readers.items():
+    if _only_read_by(graph, source, set(columns), roles):
+      count[columns[0]] = 1
+    else:
+      for name in columns:
+        count[name] = 1
+  return count
+
+
+def _view_source(graph, name):
+  """The node `name` is a view of (through Identity / Cast / Reshape)."""
+  while graph.node(name).op in _VIEW_OPS:
+    name = parse_input(graph.node(name).input[0])[0]
+  return name
+
+
+def _only_read_by(graph, source, targets, roles):
+  """Whether the forward readers of `source`, through views, are `targets`."""
+  stack = [source]
+  while stack:
+    for consumer in graph.consumer_nodes(stack.pop()):
+      c = consumer.name
+      if c in targets or constants.is_gradient_name(c) or (
+          roles is not None and roles.get(c) != constants.FORWARD):
+        continue
+      if consumer.op not in _VIEW_OPS:
+        return False
+      stack.append(c)
+  return True
+
+
+def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=None, roles=None):
+  """{variable handle node: dims tuple} for the megatron preset."""
+  if not isinstance(graph, Graph):
+    graph = Graph(graph)
+  contractions, kind = _pairing(graph, shapes, variables, roles)
   n = mesh.axes[axis] if mesh is not None else None
   plan = {}
   for name, operand, var, chain in contractions:
