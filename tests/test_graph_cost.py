@@ -213,6 +213,25 @@ def test_einsums_and_batched_matmuls_have_a_line_per_form():
   assert model.compute_time(dense) == pytest.approx(1e-6 + 5.0 * model.roofline(dense))
 
 
+def test_device_overheads_per_device_count(tmp_path):
+  # Measured over 2 and 4 logical devices; a collective's fixed time grows
+  # with its group (a ring's steps), linearly past the last point; the
+  # concurrency of more devices than measured is the last one's.
+  table = op_cost.CostTable(concurrency=1.4, collective_overhead=1e-4,
+                            concurrency_at={4: 1.1}, collective_at={4: 2.5e-4})
+  path = str(tmp_path / "table.json")
+  table.save(path)
+  table = op_cost.CostTable.load(path)
+  assert table.concurrency_at == {4: 1.1} and table.collective_at == {4: 2.5e-4}
+  assert [table.concurrency_for(n) for n in (2, 3, 4, 16)] == [1.4, 1.4, 1.1, 1.1]
+  assert [table.collective_for(n) for n in (2, 3, 4, 8)] == pytest.approx(
+      [1e-4, 1.75e-4, 2.5e-4, 5.5e-4])
+  # An older table (two devices only): a ring of n over one of 2, n - 1 times.
+  old = op_cost.CostTable(concurrency=1.4, collective_overhead=1e-4)
+  assert (old.concurrency_for(8), old.collective_for(4)) == (1.4, pytest.approx(3e-4))
+  assert op_cost.CostTable().concurrency_for(4) is None
+
+
 def test_place_by_layers_spreads_parameters_over_devices():
   graph_def = load_graph(os.path.join(EXAMPLES, "gpt_raw_train_tiny.pb"))
   placed = graph_sim.place_by_layers(graph_def, 4)

@@ -53,7 +53,14 @@ def run(fv, args):
       f"per-op overhead {table.op_overhead * 1e6:.3g} us, per-step "
       f"{table.step_overhead * 1e6:.3g} us, kernel scale "
       f"{table.time_scale:.3g}, in a step x{table.graph_scale:.3g}; logical devices: "
-      f"concurrency {table.concurrency or 1:.3g}, collective "
-      f"{table.collective_overhead * 1e6:.3g} us, transfer "
+      f"concurrency {_per_count(table.concurrency or 1, table.concurrency_at, 1)}, "
+      f"collective {_per_count(table.collective_overhead, table.collective_at, 1e6)} us, "
+      f"transfer "
       f"{table.transfer_overhead * 1e6:.3g} us ({time.perf_counter() - t0:.1f} s)\n")
   return 0
+
+
+def _per_count(two, more, scale):
+  """'1.2 (2 devices), 1.1 (4)': a value measured over 2 devices and more."""
+  text = f"{two * scale:.3g} (2 devices)"
+  return ", ".join([text] + [f"{v * scale:.3g} ({n})" for n, v in sorted(more.items())])

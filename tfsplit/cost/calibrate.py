@@ -26,9 +26,9 @@ graph to be predicted:
   roofline, fitted on its traced times inside the steps where it runs there
   (the waiting grows with the op: a split's smaller ops wait less), else on
   the chains; `graph_scale` scales the lines to the steps' untraced times;
-- chains between two logical CPUs: how much of two devices' work overlaps
+- chains over two and four logical CPUs: how much of their work overlaps
   (`concurrency`: 1 where they share the cores), and the fixed cost of one
-  collective and of one cross-device transfer.
+  collective over them all; between two, of one cross-device transfer.
 Untraced times are medians over repeated runs, as a step is timed. Traced
 op times are each node's fastest run: other work on the machine adds the
 most to the ops that hand work to the intra-op threads (their wake-ups wait
@@ -57,6 +57,7 @@ _ELEMENT_SIZES = (64, 1024, 16384, 262144)
 _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
 _CONCURRENCY_SIZE = 16384   # elements: a small model's activation tensor
+_DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are measured on
 # (blocks, batch) of the training steps that price ops inside a step.
 # (blocks, batch, sequence, hidden) of the small training steps whose ops
 # are timed where they run, inside a step; sequence 1 is an MLP.
@@ -486,39 +487,40 @@ def step_scale(table, steps, cluster):
   return (total / predicted if predicted > 0 and total > 0 else 1.0), 0.0
 
 
-def _devices_graph(kind, length):
-  """A graph over 2 logical CPUs whose time grows by one unit per `length`:
+def _devices_graph(kind, length, devices=2):
+  """A graph over `devices` logical CPUs whose time grows by one unit per
+  `length`:
 
     'one'        a chain of medium elementwise ops on CPU:0
-    'two'        the same chain on CPU:0 and another on CPU:1 (how much of
-                 two devices' work overlaps on this machine's cores)
-    'collective' a chain of all-reduces of a small tensor over both
-    'transfer'   a chain of small ops alternating between the two devices
+    'many'       the same chain on each device (how much of their work
+                 overlaps on this machine's cores)
+    'collective' a chain of all-reduces of a small tensor over them all
+    'transfer'   a chain of small ops alternating between two devices
   """
   g = tf.Graph()
   with g.as_default():
     size = 16 if kind in ("collective", "transfer") else _CONCURRENCY_SIZE
     x = tf.compat.v1.placeholder(tf.float32, [size])
     consts = []
-    for d in range(2):
+    for d in range(devices):
       with tf.device(f"/device:CPU:{d}"):
         consts.append(tf.constant(np.linspace(0.5, 1.0, size, dtype=np.float32)))
-    if kind in ("one", "two"):
-      for d in range(1 if kind == "one" else 2):
+    if kind in ("one", "many"):
+      for d in range(1 if kind == "one" else devices):
         with tf.device(f"/device:CPU:{d}"):
           y = tf.identity(x)
           for i in range(length):
             y = tf.maximum(y, consts[d]) if i % 2 else tf.multiply(y, consts[d])
     elif kind == "collective":
       ys = []
-      for d in range(2):
+      for d in range(devices):
         with tf.device(f"/device:CPU:{d}"):
           ys.append(tf.identity(x))
       for i in range(length):
-        for d in range(2):
+        for d in range(devices):
           with tf.device(f"/device:CPU:{d}"):
             ys[d] = tf.raw_ops.CollectiveReduceV2(
-                input=ys[d], group_size=2, group_key=1, instance_key=i + 1,
+                input=ys[d], group_size=devices, group_key=1, instance_key=i + 1,
                 ordering_token=[], merge_op="Add", final_op="Id",
                 communication_hint="auto", timeout_seconds=0.0)
     else:
@@ -537,7 +539,7 @@ def _session_seconds(graph_def, repeats):
   fetches = [tf_graph.get_operation_by_name(n.name) for n in graph.nodes
              if not graph.consumers(n.name)]
   config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
-  config.device_count["CPU"] = 2
+  config.device_count["CPU"] = max(_DEVICE_COUNTS)
   times = []
   with tf.compat.v1.Session(graph=tf_graph, config=config) as sess:
     for _ in range(3):
@@ -549,11 +551,11 @@ def _session_seconds(graph_def, repeats):
   return statistics.median(times)
 
 
-def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3):
-  """Seconds one more unit of _devices_graph(kind) adds: the median over
-  `trials` of the slope between two lengths, each the median of `repeats`
-  runs."""
-  graphs = [_devices_graph(kind, n) for n in lengths]
+def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3, devices=2):
+  """Seconds one more unit of _devices_graph(kind, devices=devices) adds:
+  the median over `trials` of the slope between two lengths, each the
+  median of `repeats` runs."""
+  graphs = [_devices_graph(kind, n, devices) for n in lengths]
   slopes = []
   for _ in range(trials):
     short, long = (_session_seconds(g, repeats) for g in graphs)
@@ -562,23 +564,25 @@ def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3):
 
 
 def device_benchmark(repeats=10):
-  """(concurrency, seconds per collective, seconds per transfer) of two
-  logical CPUs of this process, from chains of ops timed untraced.
+  """(concurrency, seconds per collective, seconds per transfer) of logical
+  CPUs of this process, from chains of ops timed untraced: concurrency and
+  collective as {devices: value} for each count of _DEVICE_COUNTS.
 
-  concurrency: two devices' work over the time it takes them together (2:
+  concurrency: n devices' work over the time it takes them together (n:
   they run in parallel; 1: one after the other, as logical CPUs sharing a
   machine's cores do), at least 1.
   """
-  # The ratio per trial, one and two taken in turn: load that comes and
-  # goes then moves both alike.
-  ratios = []
+  # The ratio per trial, one and n taken in turn: load that comes and goes
+  # then moves both alike.
+  ratios = collections.defaultdict(list)
   for _ in range(5):
     one = _unit_seconds("one", repeats, trials=1)
-    two = _unit_seconds("two", repeats, trials=1)
-    ratios.append(2 * one / two if two > 0 else 1.0)
-  concurrency = min(2.0, max(1.0, statistics.median(ratios)))
-  return (concurrency, _unit_seconds("collective", repeats),
-          _unit_seconds("transfer", repeats))
+    for n in _DEVICE_COUNTS:
+      many = _unit_seconds("many", repeats, trials=1, devices=n)
+      ratios[n].append(n * one / many if many > 0 else 1.0)
+  concurrency = {n: min(float(n), max(1.0, statistics.median(r))) for n, r in ratios.items()}
+  collective = {n: _unit_seconds("collective", repeats, devices=n) for n in _DEVICE_COUNTS}
+  return concurrency, collective, _unit_seconds("transfer", repeats)
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
@@ -662,8 +666,9 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   launch = _dispatch_graph(2)
   table.step_overhead = _function_step_time(launch, Graph(launch), 3 * repeats, 0)
   say("logical devices: concurrency, collectives, transfers")
-  (table.concurrency, table.collective_overhead,
-   table.transfer_overhead) = device_benchmark(repeats)
+  concurrency, collective, table.transfer_overhead = device_benchmark(repeats)
+  table.concurrency, table.collective_overhead = concurrency.pop(2), collective.pop(2)
+  table.concurrency_at, table.collective_at = concurrency, collective
   costs = {}
   best_flops = best_bw = 0.0
   for node in graph.nodes:

@@ -291,11 +291,13 @@ class CostTable:
   graph_scale: a whole training step's time over the sum of its ops' times
     by the fitted lines (gaps between ops, ops side by side on the cores);
     scales the lines.
-  concurrency: how many of this machine's logical devices compute at once
-    (they share its cores); None: devices are independent.
+  concurrency: how many of two of this machine's logical devices compute at
+    once (they share its cores); None: devices are independent.
   collective_overhead: seconds of one collective (one group's all-reduce of
-    a small tensor) between logical devices; transfer_overhead: seconds of
-    one tensor sent to another logical device.
+    a small tensor) between two logical devices; transfer_overhead: seconds
+    of one tensor sent to another logical device.
+  concurrency_at / collective_at: the same measured over more devices
+    ({devices: value}; see concurrency_for and collective_for).
   """
   entries: dict = dataclasses.field(default_factory=dict)
   op_factor: dict = dataclasses.field(default_factory=dict)
@@ -312,6 +314,19 @@ class CostTable:
   concurrency: float = None
   collective_overhead: float = 0.0
   transfer_overhead: float = 0.0
+  concurrency_at: dict = dataclasses.field(default_factory=dict)
+  collective_at: dict = dataclasses.field(default_factory=dict)
+
+  def concurrency_for(self, devices):
+    """How many of `devices` logical devices compute at once (None: they
+    are independent hardware)."""
+    if self.concurrency is None:
+      return None
+    return concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
+
+  def collective_for(self, group):
+    """Seconds of one collective over a group of `group` logical devices."""
+    return collective_for({2: self.collective_overhead, **self.collective_at}, group)
 
   def fixed(self, line):
     """Seconds of a call on an op type's line ('op' or 'op:form', see
@@ -346,6 +361,8 @@ class CostTable:
             "concurrency": self.concurrency,
             "collective_overhead": self.collective_overhead,
             "transfer_overhead": self.transfer_overhead,
+            "concurrency_at": {str(k): v for k, v in sorted(self.concurrency_at.items())},
+            "collective_at": {str(k): v for k, v in sorted(self.collective_at.items())},
             "entries": dict(sorted(self.entries.items()))}
 
   def save(self, path):
@@ -379,7 +396,11 @@ class CostTable:
                  concurrency=(float(obj["concurrency"]) if obj.get("concurrency")
                               else None),
                  collective_overhead=float(obj.get("collective_overhead", 0.0)),
-                 transfer_overhead=float(obj.get("transfer_overhead", 0.0)))
+                 transfer_overhead=float(obj.get("transfer_overhead", 0.0)),
+                 concurrency_at={int(k): float(v) for k, v in
+                                 (obj.get("concurrency_at") or {}).items()},
+                 collective_at={int(k): float(v) for k, v in
+                                (obj.get("collective_at") or {}).items()})
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise CostTableError(f"calibration table '{path}': malformed ({e}); "
                            "rerun 'tfsplit calibrate'") from None
@@ -413,6 +434,30 @@ class CostTable:
     if self.op_factor:
       self.default_factor = statistics.median(self.op_factor.values())
       self.default_fixed = statistics.median(self.op_fixed.values())
+
+
+def concurrency_for(points, devices):
+  """Concurrency of `devices` logical devices from measured {devices:
+  concurrency}: that of the largest count measured up to `devices` (beyond
+  the cores, more devices add no parallelism)."""
+  below = [k for k in points if k <= devices]
+  return points[max(below)] if below else 1.0
+
+
+def collective_for(points, group):
+  """Seconds of one collective over `group` devices from measured {group:
+  seconds}: linear in group - 1 (a ring's steps grow with its members)
+  between the points and beyond the last two; through the origin from a
+  single point."""
+  keys = sorted(k for k, v in points.items() if v is not None and k >= 2)
+  if not keys:
+    return 0.0
+  if len(keys) == 1 or group <= keys[0]:
+    return points[keys[0]] * max(1.0, (group - 1) / (keys[0] - 1))
+  lo, hi = next(((a, b) for a, b in zip(keys, keys[1:]) if group <= b),
+                (keys[-2], keys[-1]))
+  slope = (points[hi] - points[lo]) / (hi - lo)
+  return max(0.0, points[lo] + slope * (group - lo))
 
 
 def _on_line(values, line, default):

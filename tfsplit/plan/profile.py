@@ -82,6 +82,9 @@ class ModelProfile:
   concurrency: Optional[float] = None
   collective_overhead: float = 0.0
   transfer_overhead: float = 0.0
+  # The same two measured over more devices: {devices: value}.
+  concurrency_at: dict = dataclasses.field(default_factory=dict)
+  collective_at: dict = dataclasses.field(default_factory=dict)
   # Data parallelism adds per step: an all-reduce of each step output
   # computed from the batch (the loss), and per gradient bucket a concat
   # before its all-reduce and a split after it on every replica, priced
@@ -96,6 +99,17 @@ class ModelProfile:
     if len(self.cuts) != len(self.layers) - 1:
       raise PlanError(f"model profile: {len(self.cuts)} cuts for {len(self.layers)} "
                       "layers; expected one cut between each pair of layers")
+
+  def concurrency_for(self, devices):
+    """How many of `devices` logical devices compute at once."""
+    from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+    return op_cost.concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
+
+  def collective_for(self, group):
+    """Fixed seconds of one collective over `group` logical devices."""
+    from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+    return op_cost.collective_for({2: self.collective_overhead, **self.collective_at},
+                                  group)
 
   @property
   def names(self):
@@ -270,6 +284,8 @@ def from_analysis(analysis, cost_model, source=None):
                       if table is not None else 0.0,
                       transfer_overhead=table.transfer_overhead
                       if table is not None else 0.0,
+                      concurrency_at=dict(table.concurrency_at) if table is not None else {},
+                      collective_at=dict(table.collective_at) if table is not None else {},
                       step_outputs=step_outputs, bucket_copy=bucket_copy)
 
 

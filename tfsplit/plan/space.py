@@ -30,8 +30,8 @@ calibration table, its per-step launch overhead.
 On logical devices that share one machine's cores (a profile calibrated
 with a concurrency, as `tfsplit calibrate` measures for this machine's
 logical CPUs) the devices do not compute side by side: the step is at
-least all devices' work over the concurrency, plus the fixed cost of each
-collective (per micro-batch and tensor-parallel group, an all-reduce per
+least all devices' work over the concurrency of that many devices, plus
+the fixed cost of each collective, which grows with its group (per micro-batch and tensor-parallel group, an all-reduce per
 weight matrix of a split layer, 4 in a transformer block; per step, a
 gradient all-reduce per bucket and group, and with ZeRO an all-gather per
 weight) and of each tensor sent across a stage cut (forward and back, per
@@ -445,6 +445,7 @@ class Costing(object):
     the module doc): every device's compute over the concurrency, plus the
     fixed cost of each collective and transfer. recompute: per chunk."""
     m, groups = c.microbatches, c.dp * c.tp
+    profile = self.profile
     frac = 1.0 / (c.dp * m)
     split = self.tp_split(c)
     tpdiv = np.where(split, c.tp, 1)
@@ -457,27 +458,29 @@ class Costing(object):
     upd_work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
     per_step = float((upd_work + self.upd_fixed).sum()) + self.profile.other_update
     work = groups * (m * per_micro + per_step)
+    # Seconds of the collectives' fixed costs: each over its group's size.
     launches = 0.0
     if c.tp > 1:   # per split layer and micro-batch (half again recomputed)
       per_layer = self.tp_collectives * np.where(again, 1.5, 1.0)
-      launches += c.dp * m * float(np.where(split, per_layer, 0.0).sum())
+      launches += (c.dp * m * float(np.where(split, per_layer, 0.0).sum()) *
+                   profile.collective_for(c.tp))
     if c.dp > 1:
       # The step's outputs (the loss), all-reduced over dp once per step.
-      launches += c.tp * self.profile.step_outputs
-      fixed, per_byte = self.profile.bucket_copy
+      dp_launches = c.tp * profile.step_outputs
+      fixed, per_byte = profile.bucket_copy
       for j, i in ranges:
         grads = float((self.params[j:i] / tpdiv[j:i]).sum())
         buckets = max(1, math.ceil(grads / self.bucket_bytes))
-        launches += c.tp * buckets
+        dp_launches += c.tp * buckets
         # Every replica packs and unpacks its buckets.
         work += c.tp * c.dp * (buckets * fixed + grads * per_byte)
         if c.zero:
-          launches += c.tp * float(self.variables[j:i].sum())
+          dp_launches += c.tp * float(self.variables[j:i].sum())
+      launches += dp_launches * profile.collective_for(c.dp)
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
     transfers = 2 * crossing * groups * m
-    return (work / self.profile.concurrency +
-            launches * self.profile.collective_overhead +
-            transfers * self.profile.transfer_overhead)
+    return (work / profile.concurrency_for(c.devices) + launches +
+            transfers * profile.transfer_overhead)
 
 
 def even_ranges(n, chunks):
