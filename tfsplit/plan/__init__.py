@@ -82,26 +82,31 @@ def plan_profile(profile, devices, device_memory=None, cluster=None, top=5,
                             memory_reserve=memory_reserve), result
 
 
-def profile_graph(graph_def, devices, cluster=None, calibration=None, source=None):
-  """The ModelProfile of a training-step GraphDef on `cluster` (see plan_profile)."""
+def profile_graph(graph_def, devices, cluster=None, calibration=None, source=None,
+                  analysis=None):
+  """The ModelProfile of a training-step GraphDef on `cluster` (see
+  plan_profile); `analysis`: graph_def's Analysis, if the caller has one."""
   from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import profile as profile_lib  # pylint: disable=import-outside-toplevel
   check_devices(devices)
   spec = cluster_for(cluster, devices)
   table = op_cost.CostTable.load(calibration) if calibration else None
-  return profile_lib.from_graph(graph_def, op_cost.CostModel(spec, table=table), source)
+  model = op_cost.CostModel(spec, table=table)
+  if analysis is not None:
+    return profile_lib.from_analysis(analysis, model, source)
+  return profile_lib.from_graph(graph_def, model, source)
 
 
 def plan_graph(graph_def, devices, device_memory=None, cluster=None, calibration=None,
                top=5, progress=None, max_tp=None, source=None,
-               memory_reserve=DEFAULT_RESERVE):
+               memory_reserve=DEFAULT_RESERVE, analysis=None):
   """(Plan, SearchResult) of the fastest plan for a training-step GraphDef on
   `devices` devices of `cluster` (preset or spec file; default cpu-host) with
   `device_memory` each (default: the cluster's), of which the plan leaves
   `memory_reserve` (a fraction, default 10%) free. calibration: a cost table
   (`tfsplit calibrate`) whose measured op times override the roofline."""
   check_devices(devices)
-  profile = profile_graph(graph_def, devices, cluster, calibration, source)
+  profile = profile_graph(graph_def, devices, cluster, calibration, source, analysis)
   return plan_profile(profile, devices, device_memory, cluster, top, progress, max_tp,
                       graph=source, memory_reserve=memory_reserve)
 
@@ -124,9 +129,10 @@ def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
                       "available")
     if cluster is None:
       cluster = local_cluster(devices)
+    analysis = _analysis(graph_def)   # one layer detection: profile and bind
     found, _ = plan_graph(graph_def, devices, device_memory, cluster, source=None,
-                          memory_reserve=memory_reserve)
-    return found.bind(graph_def)
+                          memory_reserve=memory_reserve, analysis=analysis)
+    return found.bind(graph_def, analysis)
   from tfsplit.plan import plan as plan_lib  # pylint: disable=import-outside-toplevel
   if isinstance(plan, Plan):
     found = plan
@@ -141,8 +147,7 @@ def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
                     f"plan for {devices} devices")
   if available is not None:
     found.check_devices(available)
-  from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
-  analysis = Analysis(graph_def)   # one layer detection for both
+  analysis = _analysis(graph_def)   # one layer detection for both
   found.check_graph(model_layer_names(graph_def, analysis), source)
   return found.bind(graph_def, analysis)
 
@@ -150,10 +155,12 @@ def resolve(plan, graph_def, devices=None, device_memory=None, cluster=None,
 def model_layer_names(graph_def, analysis=None):
   """Names of the graph's layers with parameters (what plans cut);
   `analysis`: graph_def's Analysis, if the caller has one."""
-  if analysis is None:
-    from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
-    analysis = Analysis(graph_def)
-  return [l.name for l in analysis.layers.model_layers]
+  return [l.name for l in (analysis or _analysis(graph_def)).layers.model_layers]
+
+
+def _analysis(graph_def):
+  from tfsplit.passes.analysis import Analysis  # pylint: disable=import-outside-toplevel
+  return Analysis(graph_def)
 
 
 __all__ = ["AUTO", "DEFAULT_RESERVE", "Plan", "PlanError", "Planner", "SearchResult",

@@ -79,12 +79,12 @@ class Plan:
     return None if self.recompute == "none" else self.recompute
 
   def bind(self, graph_def, analysis=None):
-    """Ties the plan to `graph_def` (the graph it was made for; `analysis`:
-    its Analysis, if the caller has one): what split_options needs of it is
-    kept, so it is called without the graph."""
-    self.bound_annotations = (replicated_annotations(graph_def, self.replicate, analysis)
-                              if self.replicate else {})
-    return self
+    """A copy of the plan tied to `graph_def` (the graph it was made for;
+    `analysis`: its Analysis, if the caller has one): what split_options
+    needs of it is kept, so it is called without the graph."""
+    return dataclasses.replace(
+        self, bound_annotations=replicated_annotations(graph_def, self.replicate, analysis)
+        if self.replicate else {})
 
   def split_options(self, graph_def=None):
     """Keyword arguments of tfsplit.passes.split_graph / tfsplit.split.
