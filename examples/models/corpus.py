@@ -44,6 +44,7 @@ from tfsplit.errors import TfsplitError
 
 from . import common
 from . import example
+from . import keras_models
 from .example import CORPUS_FAMILIES, CORPUS_NAMES, ExampleModel
 
 FAMILIES = CORPUS_FAMILIES
@@ -180,17 +181,8 @@ def _define(K):
   layers = K.layers
 
   # --- shared pieces ------------------------------------------------------
-
-  class FeedForward(layers.Layer):
-    """fc1 (gelu) -> fc2."""
-
-    def __init__(self, cfg, **kwargs):
-      super().__init__(**kwargs)
-      self.fc1 = layers.Dense(cfg.mlp_dim, activation="gelu", name="fc1")
-      self.fc2 = layers.Dense(cfg.hidden, name="fc2")
-
-    def call(self, x):
-      return self.fc2(self.fc1(x))
+  # Token + learned position embedding; fc1 (gelu) -> fc2.
+  TextEmbed, FeedForward = keras_models.text_layers(K)
 
   class PreNormBlock(layers.Layer):
     """x + attn(ln_1(x)); x + mlp(ln_2(x)) with Keras MultiHeadAttention."""
@@ -223,19 +215,6 @@ def _define(K):
       return tf.reshape(tf.transpose(t, [0, 2, 1, 3]), [b, s, h * d])
 
   # --- causallm: a task model around a backbone model ---------------------
-
-  class TextEmbed(layers.Layer):
-    """Token + learned position embedding."""
-
-    def __init__(self, cfg, **kwargs):
-      super().__init__(**kwargs)
-      self.seq = cfg.seq
-      self.tok = layers.Embedding(cfg.vocab, cfg.hidden, name="tok")
-      self.pos = layers.Embedding(cfg.seq, cfg.hidden, name="pos")
-
-    def call(self, tokens):
-      x = self.tok(tokens)
-      return x + self.pos(tf.range(self.seq))[tf.newaxis]
 
   class Backbone(K.Model):
     """Embedding, pre-norm causal blocks, final LayerNorm: hidden states."""

@@ -13,24 +13,11 @@ from . import common
 from .example import GptConfig
 
 
-def _define(K):
-  """Model classes bound to the Keras module `K`."""
+def text_layers(K):
+  """(Embed, FeedForward) bound to the Keras module `K`: the token + learned
+  position embedding and the gelu MLP of a transformer block, shared with
+  the corpus (corpus.py)."""
   layers = K.layers
-
-  class Mlp(K.Model):
-
-    def __init__(self, cfg, **kwargs):
-      super().__init__(**kwargs)
-      self.cfg = cfg
-      self.hidden = [
-          layers.Dense(cfg.width, activation="relu", name=f"layer_{i}")
-          for i in range(cfg.layers - 1)]
-      self.out = layers.Dense(cfg.classes, name=f"layer_{cfg.layers - 1}")
-
-    def call(self, x, training=False):
-      for layer in self.hidden:
-        x = layer(x)
-      return self.out(x)
 
   class Embed(layers.Layer):
 
@@ -55,6 +42,29 @@ def _define(K):
 
     def call(self, x):
       return self.fc2(self.fc1(x))
+
+  return Embed, FeedForward
+
+
+def _define(K):
+  """Model classes bound to the Keras module `K`."""
+  layers = K.layers
+  Embed, FeedForward = text_layers(K)
+
+  class Mlp(K.Model):
+
+    def __init__(self, cfg, **kwargs):
+      super().__init__(**kwargs)
+      self.cfg = cfg
+      self.hidden = [
+          layers.Dense(cfg.width, activation="relu", name=f"layer_{i}")
+          for i in range(cfg.layers - 1)]
+      self.out = layers.Dense(cfg.classes, name=f"layer_{cfg.layers - 1}")
+
+    def call(self, x, training=False):
+      for layer in self.hidden:
+        x = layer(x)
+      return self.out(x)
 
   class Block(layers.Layer):
 
