@@ -96,8 +96,7 @@ def _session_graph(graph_def, graph, rng):
   variables = variables_lib.find_variables(graph)
   unknown = [v for v in variables if v.shape is None or not v.dtype]
   if unknown:
-    shapes = infer_shapes(graph, variables)
-    del shapes
+    infer_shapes(graph, variables)   # fills in shapes that ops assigning them give
     unknown = [v for v in variables if v.shape is None or not v.dtype]
   if unknown:
     raise CalibrationError(
