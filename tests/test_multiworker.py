@@ -6,6 +6,7 @@ wait, and checks that nothing it started is left running: each launch gets a
 unique marker in its environment, which its workers and command inherit, and
 /proc is searched for it afterwards.
 """
+import contextlib
 import json
 import os
 import signal
@@ -65,6 +66,20 @@ def _wait_gone(mark, timeout=15.0):
   while _marked(mark) and time.time() < deadline:
     time.sleep(0.1)
   return _marked(mark)
+
+
+@contextlib.contextmanager
+def _workers(tmp_path, mark, devices_per_task=None):
+  """(group, spec) of 2 fresh worker tasks on free 127.0.0.1 ports, marked
+  `mark` (so _wait_gone finds any leftover), stopped on leaving, also on
+  failure."""
+  args = (2,) if devices_per_task is None else (2, devices_per_task)
+  group, spec = workers.start_workers(*args, timeout=120, logdir=str(tmp_path),
+                                      extra_env={MARK: mark})
+  try:
+    yield group, spec
+  finally:
+    group.stop()
 
 
 def _kill_marked(mark):
@@ -207,9 +222,7 @@ def test_dp2_across_two_worker_processes_matches_one_device(tmp_path):
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import verify  # pylint: disable=import-outside-toplevel
   mark = uuid.uuid4().hex
-  group, spec = workers.start_workers(2, 1, timeout=120, logdir=str(tmp_path),
-                                      extra_env={MARK: mark})
-  try:
+  with _workers(tmp_path, mark, devices_per_task=1) as (_, spec):
     cluster = cluster_lib.resolve(spec)
     original = load_graph(TINY)
     result = split_graph(original, cluster_lib.mesh_on_cluster({"dp": 2}, cluster),
@@ -217,8 +230,6 @@ def test_dp2_across_two_worker_processes_matches_one_device(tmp_path):
     report = verify.verify(original, result.graph_def, json.loads(
         result.manifest_json(source=TINY)), steps=3, cluster=cluster, timeout_seconds=60)
     report.assert_ok("dp=2 on 2 workers")
-  finally:
-    group.stop()
   assert _wait_gone(mark, 5.0) == []
 
 
@@ -324,18 +335,12 @@ def test_dead_worker_is_one_line_and_resume_is_exact(tmp_path):
 
   try:
     # The uninterrupted run.
-    group, spec = workers.start_workers(2, timeout=120, logdir=str(tmp_path),
-                                        extra_env={MARK: mark})
-    try:
+    with _workers(tmp_path, mark) as (_, spec):
       proc = chief(cluster_env(spec), tmp_path / "ck_full", tmp_path / "full.npz")
       _, err = proc.communicate(timeout=300)
       assert proc.returncode == 0, err[-3000:]
-    finally:
-      group.stop()
     # The interrupted run: worker 1 killed after step 3's checkpoint.
-    group, spec = workers.start_workers(2, timeout=120, logdir=str(tmp_path),
-                                        extra_env={MARK: mark})
-    try:
+    with _workers(tmp_path, mark) as (group, spec):
       proc = chief(cluster_env(spec), tmp_path / "ck", tmp_path / "cut.npz", delay=1.0)
       deadline = time.time() + 300
       for line in proc.stdout:
@@ -349,20 +354,14 @@ def test_dead_worker_is_one_line_and_resume_is_exact(tmp_path):
       errors = [l for l in err.splitlines() if ": error: " in l]
       assert len(errors) == 1 and "/job:worker/task:1" in errors[0], err[-3000:]
       assert elapsed < timeout + 5, elapsed
-    finally:
-      group.stop()
     # Resume on fresh workers (new ports) from the last checkpoint.
-    group, spec = workers.start_workers(2, timeout=120, logdir=str(tmp_path),
-                                        extra_env={MARK: mark})
-    try:
+    with _workers(tmp_path, mark) as (_, spec):
       proc = chief(cluster_env(spec), tmp_path / "ck", tmp_path / "resumed.npz")
       out, err = proc.communicate(timeout=300)
       assert proc.returncode == 0, err[-3000:]
       assert "on 2 task(s) of job 'worker'" in out, out
       # The last complete checkpoint: 3, or 2 if the kill hit the saving of 3.
       assert any(f"resumed from step {k} " in out for k in (2, 3, 4)), out
-    finally:
-      group.stop()
     full, resumed = np.load(tmp_path / "full.npz"), np.load(tmp_path / "resumed.npz")
     names = [k for k in full.files if k.startswith("var:")]
     assert names and sorted(names) == sorted(k for k in resumed.files if k.startswith("var:"))
@@ -384,9 +383,7 @@ def test_hung_worker_is_named_after_the_step_timeout(tmp_path):
   from tfsplit.runtime import seeds, session  # pylint: disable=import-outside-toplevel
   mark = uuid.uuid4().hex
   timeout = 8
-  group, spec = workers.start_workers(2, timeout=120, logdir=str(tmp_path),
-                                      extra_env={MARK: mark})
-  try:
+  with _workers(tmp_path, mark) as (group, spec):
     cluster = cluster_lib.resolve(spec)
     original = load_graph(TINY)
     result = split_graph(original, cluster_lib.mesh_on_cluster({"dp": 2}, cluster),
@@ -396,16 +393,12 @@ def test_hung_worker_is_named_after_the_step_timeout(tmp_path):
     inputs = seeds.seeded_inputs(Graph(original), 0)
     runner.run(inputs)
     os.kill(group.procs[1].pid, signal.SIGSTOP)
-    t0 = time.time()
-    with pytest.raises(cluster_lib.ClusterError,
-                       match=r"worker /job:worker/task:1 .* does not answer"):
-      runner.run(inputs)
-    assert time.time() - t0 < timeout + 5
-  finally:
-    for proc in group.procs:
-      try:
-        os.kill(proc.pid, signal.SIGCONT)
-      except OSError:
-        pass
-    group.stop()
+    try:
+      t0 = time.time()
+      with pytest.raises(cluster_lib.ClusterError,
+                         match=r"worker /job:worker/task:1 .* does not answer"):
+        runner.run(inputs)
+      assert time.time() - t0 < timeout + 5
+    finally:   # stopped, not dead: let it exit with the group
+      os.kill(group.procs[1].pid, signal.SIGCONT)
   assert _wait_gone(mark, 5.0) == []
