@@ -9,6 +9,7 @@ from tensorflow.core.framework import graph_pb2
 from tfsplit.cli import run
 from tfsplit.errors import GraphLoadError, GraphValidationError
 from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph, save_graph
+from tfsplit.graph.validate import validate_graph_def
 from tfsplit.runtime.graph_function import import_graph
 
 
@@ -93,6 +94,35 @@ def test_cycle(tmp_path, capsys):
   save_graph(graph_def, path)
   code, _, err = _cli(["inspect", str(path)], capsys)
   _assert_one_line_error(code, err, "cycle", "'a'")
+
+
+def _chain(reads):
+  """GraphDef of Identity nodes in the given order: (name, [inputs])."""
+  graph_def = graph_pb2.GraphDef()
+  node = graph_def.node.add(name="x", op="Placeholder")
+  node.attr["dtype"].type = tf.float32.as_datatype_enum
+  for name, inputs in reads:
+    node = graph_def.node.add(name=name, op="Identity", input=inputs)
+    node.attr["T"].type = tf.float32.as_datatype_enum
+  return graph_def
+
+
+@pytest.mark.parametrize("reads, cycle", [
+    # Out of GraphDef order, but acyclic (a traced function waits on a later NoOp).
+    ([("a", ["x", "^c"]), ("b", ["x"]), ("c", ["b"])], False),
+    ([("a", ["d"]), ("b", ["a"]), ("c", ["x"]), ("d", ["c"])], False),
+    # Cycles entered at their first node, far from it, and a node reading itself.
+    ([("a", ["x", "^d"]), ("b", ["a"]), ("c", ["b"]), ("d", ["c"])], True),
+    ([("a", ["x"]), ("b", ["a", "^d"]), ("c", ["b"]), ("d", ["c"]), ("e", ["d"])], True),
+    ([("a", ["x", "^a"])], True),
+])
+def test_out_of_order_inputs(reads, cycle):
+  graph_def = _chain(reads)
+  if not cycle:
+    validate_graph_def(graph_def, import_check=False)
+    return
+  with pytest.raises(GraphValidationError, match="cycle through node"):
+    validate_graph_def(graph_def, import_check=False)
 
 
 def test_unknown_op(tmp_path, capsys):

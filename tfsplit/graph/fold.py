@@ -9,7 +9,6 @@ derive local values explicitly from the sharding.
 """
 import numpy as np
 import tensorflow as tf
-from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.protobuf import config_pb2
@@ -61,12 +60,13 @@ def fold_static_shapes(graph_def, shapes):
   are small, and whose op is stateless are folded; names are kept, so
   consumers are untouched.
   """
-  return _fold(Graph(graph_def), shapes)[0]
+  return _fold(Graph(graph_def), shapes, expand=False)[0]
 
 
-def _fold(graph, shapes):
-  """(folded GraphDef, {folded node: [output values]}) of a tfsplit Graph."""
-  graph_def = graph.graph_def
+def _fold(graph, shapes, expand):
+  """(GraphDef, {folded node: [output values]}, {expanded node: (IdentityN,
+  output or None)}) of a tfsplit Graph folded (and with `expand`, its
+  IdentityNs expanded: see _rebuild)."""
   order = graph.topological_order()
   foldable = set()
   stateful = {}
@@ -100,101 +100,177 @@ def _fold(graph, shapes):
   targets = [n for n in order if n in foldable and any(
       c not in foldable for c, _ in graph.consumers(n))]
   if not targets:
-    return graph_def, {}
+    out, made = _rebuild(graph, (), {}, expand)
+    return out, {}, made
   values = _evaluate(graph, targets, foldable, shapes)
-  out = graph_pb2.GraphDef()
-  out.versions.CopyFrom(graph_def.versions)
-  out.library.CopyFrom(graph_def.library)
-  needed = set(targets)
-  redirect = {}  # "node:k" of a folded multi-output node -> its Const
-  for name, node in zip(graph.node_names(), graph.nodes):
-    if name in needed:
-      outs = values[node.name]
-      if len(outs) == 1:
-        out.node.add().CopyFrom(_const_node(node.name, outs[0], node.device))
-        continue
-      # Multi-output (ShapeN): keep an IdentityN over one Const per output.
-      names = []
-      for i, v in enumerate(outs):
-        c = _const_node(f"{node.name}/folded_{i}", v, node.device)
-        out.node.add().CopyFrom(c)
-        names.append(c.name)
-        redirect[f"{node.name}:{i}"] = c.name
-        if i == 0:
-          redirect[node.name] = c.name
-      # Consumers read the Consts directly (so shape inference and the split
-      # rules see constant values); an IdentityN stays for control edges, if
-      # some node waits on this one (otherwise nothing would read it).
-      if not graph.consumers(node.name, -1):
-        continue
-      ident = out.node.add()
-      ident.name, ident.op, ident.device = node.name, "IdentityN", node.device
-      ident.input.extend(names)
-      ident.attr["T"].CopyFrom(attr_value_pb2.AttrValue(
-          list=attr_value_pb2.AttrValue.ListValue(
-              type=[tf.as_dtype(v.dtype).as_datatype_enum for v in outs])))
-      continue
-    if name in foldable:
-      continue  # interior of a folded computation: no longer used
-    out.node.add().CopyFrom(node)
-  if redirect:
-    for node in out.node:
-      for i, text in enumerate(node.input):
-        if text in redirect:
-          node.input[i] = redirect[text]
-  _reductions_over_nothing_to_identity(out)
-  _drop_orphaned_constants(out, graph)
-  return out, {name: values[name] for name in targets}
-
-
-def _drop_orphaned_constants(graph_def, graph):
-  """Removes (in place) the Consts that `graph` (the graph before folding)
-  had consumers for and `graph_def` has none: the leaves of folded shape
-  arithmetic and the axes of reductions made Identity. TF would prune them
-  before running the step, but the split would first copy each to every
-  device. A Const nothing read before is kept (in a graph whose outputs are
-  not marked, it is one), as is a marked output."""
-  folded = Graph(graph_def)   # edits graph_def in place
-  folded.remove_nodes([node.name for node in graph_def.node
-                       if node.op == "Const" and not folded.has_consumers(node.name)
-                       and graph.has_consumers(node.name)
-                       and variables_lib.OUTPUT_INDEX_ATTR not in node.attr])
+  out, made = _rebuild(graph, foldable, values, expand)
+  return out, values, made
 
 
 # Reductions that return their input unchanged when the axes are empty.
 _REDUCTIONS = frozenset(["Sum", "Mean", "Prod", "Max", "Min", "All", "Any"])
 
 
-def _reductions_over_nothing_to_identity(graph_def):
-  """Makes each reduction whose axes are an empty constant an Identity (in
-  place). Gradients reduce over the axes BroadcastGradientArgs gives, which
-  fold to [] where nothing was broadcast: the Sum is then a copy, which every
-  device would run each step (Grappler's constant folding drops it too, at a
-  cost on a split graph's size)."""
-  empty = set()
-  for node in graph_def.node:
-    if node.op == "Const" and not node.input:
-      dims = node.attr["value"].tensor.tensor_shape.dim
-      if len(dims) == 1 and dims[0].size == 0:
-        empty.add(node.name)
-  if not empty:
-    return
-  for node in graph_def.node:
-    if node.op not in _REDUCTIONS or len(node.input) < 2:
+def _is_empty_vector(shape):
+  return len(shape) == 1 and shape[0] == 0
+
+
+def _rebuild(graph, foldable, values, expand):
+  """(GraphDef, {node: (IdentityN, output or None for its NoOp)}) of
+  `graph` (a tfsplit Graph) with
+
+  - each node of `values` ({folded node: [output values]}) a Const, or for
+    several outputs (ShapeN) one Const per output, read directly by the
+    consumers, and an IdentityN over them if some node waits on it; the
+    rest of `foldable` dropped (interior of a folded computation);
+  - each reduction whose axes are an empty constant an Identity: gradients
+    reduce over the axes BroadcastGradientArgs gives, which fold to [] where
+    nothing was broadcast, and the Sum is then a copy that every device
+    would run each step (Grappler's constant folding drops it too);
+  - the Consts dropped that had readers before and have none now (the
+    leaves of folded shape arithmetic, the axes of reductions made
+    Identity): TF would prune them before running the step, but the split
+    would first copy each to every device. A Const nothing read before is
+    kept (in a graph whose outputs are not marked, it is one), as is a
+    marked output;
+  - with `expand`, every IdentityN replaced by one Identity per output
+    (`n/output_k`, read by the consumers of `n:k`) and a NoOp keeping the
+    name `n` for control edges: kept whole, every consumer of any output
+    would depend on all of them, which splitting cannot afford.
+
+  Built in one pass over `graph`, from its consumer index: each node is
+  copied once. Without anything to fold or expand, the GraphDef itself.
+  """
+  graph_def = graph.graph_def
+  nodes = graph.nodes
+  identity_ns = [n.name for n in nodes if n.op == "IdentityN"] if expand else []
+  if not values and not identity_ns:
+    return graph_def, {}
+  # Input texts that name an output of a folded ShapeN or an IdentityN ->
+  # the node now holding that output.
+  redirect, folded_outputs = {}, {}
+  for name, outs in values.items():
+    if len(outs) > 1:
+      consts = [f"{name}/folded_{i}" for i in range(len(outs))]
+      for i, const in enumerate(consts):
+        redirect[f"{name}:{i}"] = const
+        folded_outputs[const] = outs[i]
+      redirect[name] = consts[0]
+  for name in identity_ns:
+    count = min(len(graph.data_inputs(name)), len(graph.node(name).attr["T"].list.type))
+    for k in range(count):
+      redirect[f"{name}:{k}"] = f"{name}/output_{k}"
+    if count:
+      redirect[name] = f"{name}/output_0"
+  redirected = {c for name in list(values) + identity_ns if name in redirect
+                for c, _ in graph.consumers(name)}
+
+  def input_texts(name, node):
+    texts = list(node.input)
+    if name in redirected:
+      texts = [redirect.get(t, t) for t in texts]
+    return texts
+
+  def is_empty_const(name):  # an empty vector Const in the output
+    outs = values.get(name)
+    if outs is not None:
+      return len(outs) == 1 and _is_empty_vector(outs[0].shape)
+    if name in folded_outputs:
+      return _is_empty_vector(folded_outputs[name].shape)
+    node = graph.get(name)
+    if node is None or node.op != "Const" or node.input or name in foldable:
+      return False
+    return _is_empty_vector([d.size for d in node.attr["value"].tensor.tensor_shape.dim])
+
+  identities = {}  # reduction over empty axes -> whether it becomes an Identity
+
+  def becomes_identity(name, node):
+    found = identities.get(name)
+    if found is None:
+      found = False
+      if values and node.op in _REDUCTIONS and len(node.input) >= 2:
+        axes = node.input[1]
+        if name in redirected:
+          axes = redirect.get(axes, axes)
+        if axes.endswith(":0"):
+          axes = axes[:-2]
+        found = is_empty_const(axes)
+      identities[name] = found
+    return found
+
+  def orphaned(name):  # a Const that had readers before and has none now
+    readers = graph.consumers(name)
+    return bool(readers) and all(
+        c in foldable or (index == 1 and becomes_identity(c, graph.node(c)))
+        for c, index in readers)
+
+  out = graph_pb2.GraphDef()
+  out.versions.CopyFrom(graph_def.versions)
+  out.library.CopyFrom(graph_def.library)
+  made = {}
+
+  def add_identity_n(name, device, data, controls, types):
+    if not expand:
+      ident = out.node.add(name=name, op="IdentityN", device=device, input=data + controls)
+      ident.attr["T"].list.type.extend(types)
+      return
+    outs = []
+    for k, (text, dtype) in enumerate(zip(data, types)):
+      ident = out.node.add(name=f"{name}/output_{k}", op="Identity", device=device,
+                           input=[text] + controls)
+      ident.attr["T"].type = dtype
+      outs.append(ident.name)
+      made[ident.name] = (name, k)
+    out.node.add(name=name, op="NoOp", device=device, input=["^" + o for o in outs])
+    made[name] = (name, None)
+
+  for name, node in zip(graph.node_names(), nodes):
+    outs = values.get(name)
+    if outs is not None:
+      if len(outs) == 1:
+        if not orphaned(name):
+          out.node.add().CopyFrom(_const_node(name, outs[0], node.device))
+        continue
+      # Multi-output (ShapeN): one Const per output, and an IdentityN over
+      # them only if some node waits on this one (nothing else reads it).
+      consts = []
+      for i, v in enumerate(outs):
+        const = _const_node(f"{name}/folded_{i}", v, node.device)
+        if not orphaned(const.name):
+          out.node.add().CopyFrom(const)
+        consts.append(const.name)
+      if graph.consumers(name, -1):
+        add_identity_n(name, node.device, consts, [],
+                       [tf.as_dtype(v.dtype).as_datatype_enum for v in outs])
       continue
-    axes = node.input[1]
-    if axes.endswith(":0"):
-      axes = axes[:-2]
-    if axes not in empty:
+    if name in foldable:
+      continue  # interior of a folded computation: no longer used
+    op = node.op
+    if op == "IdentityN" and expand:
+      texts = input_texts(name, node)
+      add_identity_n(name, node.device, [t for t in texts if not t.startswith("^")],
+                     [t for t in texts if t.startswith("^")], node.attr["T"].list.type)
       continue
-    dtype = node.attr["T"].type
-    inputs = [node.input[0]] + [t for t in node.input[2:] if t.startswith("^")]
-    node.op = "Identity"
-    del node.input[:]
-    node.input.extend(inputs)
-    for key in [k for k in node.attr if not k.startswith("_")]:
-      del node.attr[key]
-    node.attr["T"].type = dtype
+    if op == "Const" and values and variables_lib.OUTPUT_INDEX_ATTR not in node.attr \
+        and orphaned(name):
+      continue
+    new = out.node.add()
+    new.CopyFrom(node)
+    if name in redirected:
+      texts = input_texts(name, node)
+      for i, text in enumerate(texts):
+        if text != new.input[i]:
+          new.input[i] = text
+    if values and becomes_identity(name, node):
+      dtype = node.attr["T"].type
+      inputs = [new.input[0]] + [t for t in new.input[2:] if t.startswith("^")]
+      new.op = "Identity"
+      del new.input[:]
+      new.input.extend(inputs)
+      for key in [k for k in new.attr if not k.startswith("_")]:
+        del new.attr[key]
+      new.attr["T"].type = dtype
+  return out, made
 
 
 def fold_and_expand(graph, shapes):
@@ -207,8 +283,7 @@ def fold_and_expand(graph, shapes):
   fully defined, since folding only adds constants (shapes.infer_shapes'
   `known` completes the rest).
   """
-  folded, values = _fold(graph, shapes)
-  out, expanded = _expand(folded)
+  out, values, expanded = _fold(graph, shapes, expand=True)
   known = {}
   for node in out.node:
     name = node.name
@@ -339,38 +414,4 @@ def expand_identity_n(graph_def):
   them, which splitting cannot afford. Consumers of `n:k` read `n/output_k`;
   a NoOp keeps the name `n` for control edges.
   """
-  return _expand(graph_def)[0]
-
-
-def _expand(graph_def):
-  """(expanded GraphDef, {new node: (IdentityN, output or None for its NoOp)})."""
-  if not any(n.op == "IdentityN" for n in graph_def.node):
-    return graph_def, {}
-  out = graph_pb2.GraphDef()
-  out.versions.CopyFrom(graph_def.versions)
-  out.library.CopyFrom(graph_def.library)
-  redirect, made = {}, {}
-  for node in graph_def.node:
-    if node.op != "IdentityN":
-      out.node.add().CopyFrom(node)
-      continue
-    data = [t for t in node.input if not t.startswith("^")]
-    controls = [t for t in node.input if t.startswith("^")]
-    outs = []
-    for k, (text, dtype) in enumerate(zip(data, node.attr["T"].list.type)):
-      ident = out.node.add(name=f"{node.name}/output_{k}", op="Identity",
-                           device=node.device, input=[text] + controls)
-      ident.attr["T"].type = dtype
-      redirect[f"{node.name}:{k}"] = ident.name
-      if k == 0:
-        redirect[node.name] = ident.name
-      outs.append(ident.name)
-      made[ident.name] = (node.name, k)
-    out.node.add(name=node.name, op="NoOp", device=node.device,
-                 input=["^" + o for o in outs])
-    made[node.name] = (node.name, None)
-  for node in out.node:
-    for i, text in enumerate(node.input):
-      if text in redirect:
-        node.input[i] = redirect[text]
-  return out, made
+  return _rebuild(Graph(graph_def), (), {}, expand=True)[0]

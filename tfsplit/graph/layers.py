@@ -135,9 +135,11 @@ def _repeated_blocks_scope(forward_ops, param_reads, var_nodes):
   """
   ops = collections.defaultdict(collections.Counter)   # scope tuple -> op counts
   params = collections.defaultdict(list)               # scope tuple -> [(shape, size)]
-  for scope, op in forward_ops:
+  # Counted per (scope, op) first: a block's ops share a few scopes.
+  for (scope, op), count in collections.Counter(
+      (tuple(scope), op) for scope, op in forward_ops).items():
     for i in range(1, len(scope) + 1):
-      ops[tuple(scope[:i])][op] += 1
+      ops[scope[:i]][op] += count
   for scope, handle in param_reads:
     var = var_nodes[handle]
     for i in range(1, len(scope) + 1):
@@ -234,7 +236,18 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   def is_trainable_handle(src):
     v = var_nodes.get(src)
     return v is not None and v.trainable is not False
-  scope_of = {name: _layer_scope(graph, stripped[name]) for name in order}
+  # Per parent scope, not per node: a scope's ops share the answer (a list
+  # that nothing below edits).
+  layer_scopes = {}
+
+  def layer_scope(name):
+    head, slash, _ = name.rpartition("/")
+    parent = head + slash
+    scope = layer_scopes.get(parent)
+    if scope is None:
+      scope = layer_scopes[parent] = _layer_scope(graph, name)
+    return scope
+  scope_of = {name: layer_scope(stripped[name]) for name in order}
   param_reads = []  # (reader's scope, variable handle)
   for name in order:
     if role[name] != FORWARD or op_of[name] not in constants.VARIABLE_READ_OPS:

@@ -10,6 +10,7 @@ they are swapped, in a private copy, for VarHandleOps carrying the recorded
 shape and dtype, so ReadVariableOp outputs get real shapes.
 """
 import dataclasses
+import functools
 from typing import Optional, Tuple
 
 from absl import logging
@@ -37,11 +38,13 @@ class TensorInfo:
   def dtype_name(self):
     return dtypes.as_dtype(self.dtype).name if self.dtype else "invalid"
 
-  @property
+  # Cached: infos are immutable and shared by every tensor of the same
+  # dtype and shape, and passes ask these of every tensor, often many times.
+  @functools.cached_property
   def fully_defined(self):
     return self.shape is not None and all(d is not None for d in self.shape)
 
-  @property
+  @functools.cached_property
   def num_elements(self):
     return element_count(self.shape)
 

@@ -35,8 +35,6 @@ Grappler or by TensorFlow running the graph's shape arithmetic.
 On the 48-block GPT training step (41.8k nodes) the checks here take ~0.4 s
 and TensorFlow's import ~0.5 s.
 """
-import collections
-import itertools
 import re
 
 from tensorflow.core.framework import attr_value_pb2
@@ -158,10 +156,16 @@ class _OpSpec(object):
         self.single_output = arg
     # Ops whose inputs are all fixed: nothing to resolve per node.
     self.fixed_inputs = None
+    # Ops with one tensor per input arg: the count is known without the
+    # node; (type, type attr, ref offset) per arg, types read per node.
+    self.single_inputs = None
     if all(not (a.type_attr or a.number_attr or a.type_list_attr)
            for a in self.inputs):
       self.fixed_inputs = [a.type + (_REF_OFFSET if a.is_ref else 0)
                            for a in self.inputs]
+    elif all(not (a.number_attr or a.type_list_attr) for a in self.inputs):
+      self.single_inputs = [(a.type, a.type_attr, _REF_OFFSET if a.is_ref else 0)
+                            for a in self.inputs]
 
   def attr(self, node, key):
     value = node.attr.get(key)  # .get: [] would insert the key
@@ -370,7 +374,9 @@ def _check_attrs(spec, node, unset):
   fast = spec.fast
   required = spec.required_set
   found = 0
-  for key, value in node.attr.items():
+  attrs = node.attr
+  for key in attrs:  # (items() iterates through a slower Python view)
+    value = attrs[key]
     if key in required:
       found += 1
     check = fast.get(key)
@@ -492,14 +498,16 @@ def validate_graph_def(graph_def, source="graph", import_check=True):
       raise node_error(GraphValidationError, node, problem, _FIX, source=source)
 
   outputs = _OutputTypes(nodes, specs)
-  children = {name: [] for name in nodes}
+  earlier = set()
+  late = []  # (source, reader) of inputs read from a later node (or itself)
   for name, node in nodes.items():
-    problem = _check_inputs(node, specs[name], outputs, children)
+    problem = _check_inputs(node, specs[name], outputs, earlier, late)
     if problem is _DANGLING:
       _raise_dangling(nodes, source)
     if problem:
       raise node_error(GraphValidationError, node, problem, _FIX, source=source)
-  if not _acyclic(nodes, children):
+    earlier.add(name)
+  if late and _may_have_cycle(nodes, late):
     try:
       Graph(graph_def).topological_order()  # its message names a node on the cycle
     except GraphValidationError as e:
@@ -552,26 +560,38 @@ def _import_copy(graph_def, unset):
 
 
 _DANGLING = object()  # _check_inputs: an input names no node
+_MAX_LATE_INPUTS = 64
 
 
-def _acyclic(nodes, children):
-  """Whether every node can be ordered after its inputs (Kahn's algorithm);
-  edges out of NextIteration close TF1 while loops and do not count."""
-  loop_back = {name for name, node in nodes.items() if node.op in _LOOP_BACK_OPS}
-  pending = collections.Counter(itertools.chain.from_iterable(
-      readers for src, readers in children.items() if src not in loop_back))
-  ready = [name for name in nodes if name not in pending]
-  done = 0
-  while ready:
-    src = ready.pop()
-    done += 1
-    if src in loop_back:
-      continue
-    for reader in children[src]:
-      pending[reader] -= 1
-      if not pending[reader]:
-        ready.append(reader)
-  return done == len(nodes)
+def _may_have_cycle(nodes, late):
+  """False if `nodes` (in GraphDef order) surely have no cycle, edges out of
+  NextIteration (TF1 while loops) aside; `late`: every (source, reader) edge
+  whose source does not come before its reader.
+
+  A cycle's first node in GraphDef order reads a later node on it: so a
+  cycle exists iff, for some late edge, the reader is reached from the
+  source by walking inputs through nodes not before the reader. TF writes
+  graphs in order (a traced function has one late control edge), so this
+  looks at a few nodes where sorting the graph would look at all of them;
+  with many late edges, the caller sorts.
+  """
+  late = [(src, reader) for src, reader in late if nodes[src].op not in _LOOP_BACK_OPS]
+  if len(late) > _MAX_LATE_INPUTS:
+    return True
+  position = {name: i for i, name in enumerate(nodes)}
+  for src, reader in late:
+    first = position[reader]
+    seen, stack = {src}, [src]
+    while stack:
+      name = stack.pop()
+      if name == reader:
+        return True
+      for text in nodes[name].input:
+        s = parse_input(text)[0]
+        if s not in seen and position[s] >= first and nodes[s].op not in _LOOP_BACK_OPS:
+          seen.add(s)
+          stack.append(s)
+  return False
 
 
 def _raise_dangling(nodes, source):
@@ -606,38 +626,48 @@ class _OutputTypes(object):
     return None, len(types)
 
 
-def _check_inputs(node, spec, outputs, children):
+def _check_inputs(node, spec, outputs, earlier, late):
   """A problem with `node`'s inputs (count, order, ports, dtypes), or None.
 
-  Appends the node's name to `children[src]` once per input read from `src`.
+  Appends (source, node name) to `late` for each input read from a node not
+  in `earlier`.
   """
   nodes = outputs.nodes
-  name = node.name
   data = []
   seen_control = False
   for text in node.input:
     if text[:1] == "^":
       src = text[1:]
-      if src not in nodes:
-        return _DANGLING
-      children[src].append(name)
-      seen_control = True
-    else:
-      if text in nodes:
-        data.append((text, text, 0))
-        children[text].append(name)
-      else:
-        src, port = parse_input(text)
+      if src not in earlier:
         if src not in nodes:
           return _DANGLING
+        late.append((src, node.name))
+      seen_control = True
+    else:
+      if text in earlier:
+        data.append((text, text, 0))
+      elif text in nodes:
+        data.append((text, text, 0))
+        late.append((text, node.name))
+      else:
+        src, port = parse_input(text)
+        if src not in earlier:
+          if src not in nodes:
+            return _DANGLING
+          late.append((src, node.name))
         data.append((text, src, port))
-        children[src].append(name)
       if seen_control:
         return (f"data input '{text}' comes after a control input; control "
                 "inputs ('^name') must come last")
   expected = spec.fixed_inputs
   arg_names = None
-  if expected is None:
+  single = spec.single_inputs
+  if single is not None:
+    if len(single) != len(data):
+      return _count_problem(spec, node, len(single), len(data))
+    expected = [(dtype or spec.attr(node, type_attr).type) + ref
+                for dtype, type_attr, ref in single]
+  elif expected is None:
     count = spec.num_inputs(node)
     if count != len(data):
       return _count_problem(spec, node, count, len(data))

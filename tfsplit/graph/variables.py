@@ -87,10 +87,14 @@ def annotate_captured_variable(node, variable, name=None):
 
 
 def _shape_tuple(shape_proto):
-  shape = tensor_shape.TensorShape(shape_proto)
-  if shape.rank is None:
+  """TensorShape(shape_proto).as_list() as a tuple (None: unknown rank),
+  read from the proto directly (TensorShape costs more than the read)."""
+  if shape_proto.unknown_rank:
     return None
-  return tuple(shape.as_list())
+  dims = [d.size for d in shape_proto.dim]
+  if any(d < -1 for d in dims):
+    tensor_shape.TensorShape(shape_proto)  # raises TF's error for the size
+  return tuple(None if d == -1 else d for d in dims)
 
 
 @without_gc
