@@ -71,3 +71,13 @@ def test_divergent_copies_are_refused():
   with pytest.raises(DivergedCopiesError, match=r"variable 'b on /device:CPU:1 vs "
                      r"/device:CPU:0': the copies differ"):
     shards_lib.full_values(manifest, diverged)
+
+
+def test_shard_variables_on_their_devices():
+  full = {"w": np.arange(24, dtype=np.float32).reshape(4, 6)}
+  made = shards_lib.create_shard_variables(_manifest(), full)
+  assert list(made) == ["w/shard_0", "w/shard_1"]
+  for shard in _manifest()["w"]["shards"]:
+    var = made[shard["name"]]
+    assert var.device.endswith(shard["device"].split("/")[-1])
+    np.testing.assert_array_equal(var.numpy(), full["w"][:, 3 * shard["device_id"]:][:, :3])

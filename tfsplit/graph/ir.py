@@ -119,6 +119,18 @@ def element_count(shape):
   return n
 
 
+def delete_nodes(graph_def, names):
+  """Deletes the nodes named in the set `names` from `graph_def`, in place;
+  returns their names in graph order. From the last one back, so no other
+  NodeDef moves or is copied (rebuilding the node list copies every node
+  kept: twice the time on a split graph)."""
+  doomed = [i for i, node in enumerate(graph_def.node) if node.name in names]
+  removed = [graph_def.node[i].name for i in doomed]
+  for i in reversed(doomed):
+    del graph_def.node[i]
+  return removed
+
+
 class Graph(object):
   """Indexed view over a GraphDef; the GraphDef's NodeDefs are shared."""
 
@@ -406,12 +418,10 @@ class Graph(object):
     """Removes nodes; callers must have rewired their consumers first."""
     names = set(names)
     if not names:
-      return  # (rebuilding the node list copies every node)
-    keep = [n for n in self._graph_def.node if n.name not in names]
-    del self._graph_def.node[:]
-    self._graph_def.node.extend(keep)
-    # extend() copies; re-point the index at the protos now held by the graph.
-    self._nodes = {n.name: n for n in self._graph_def.node}
+      return
+    delete_nodes(self._graph_def, names)
+    for name in names:
+      self._nodes.pop(name, None)
     self._invalidate()
 
   def to_graph_def(self):

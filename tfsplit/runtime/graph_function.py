@@ -9,9 +9,9 @@ recorded when it loaded the graph.
 
 A split graph is turned into a function in TF's C graph, without the Python
 object per op that wrap_function builds (most of its time on a split graph),
-and without what TF would drop before running it (`_runtime_copy`); other
-graphs go through wrap_function. A split graph is called with its own
-Grappler config (`grappler_config`); the caller's other functions keep theirs.
+and without its per-node records (`_runtime_copy`); other graphs go through
+wrap_function. A split graph is called with its own Grappler config
+(`grappler_config`); the caller's other functions keep theirs.
 """
 import glob
 import os
@@ -36,7 +36,6 @@ from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding.mesh import is_gpu
 
-_RECORD_ATTRS = (builder_lib.SOURCE_ATTR, builder_lib.DEVICE_ID_ATTR, builder_lib.SHARED_ATTR)
 
 
 def has_schedule(graph_def):
@@ -81,6 +80,14 @@ def grappler_config(graph_def, config):
   return config
 
 
+# The ops Grappler's loop optimizer rewrites (loop_optimizer.cc: Switch
+# branches, stack pushes), with the rest of TF1 control flow.
+_LOOP_OPTIMIZER_OPS = frozenset([
+    "Switch", "RefSwitch", "_SwitchN", "Merge", "RefMerge", "Enter", "RefEnter", "Exit",
+    "RefExit", "NextIteration", "RefNextIteration", "LoopCond", "Stack", "StackV2",
+    "StackPush", "StackPushV2", "StackPop", "StackPopV2", "StackClose", "StackCloseV2"])
+
+
 def _skip_idle_optimizers(graph_def, rewrite):
   """Turns off, in `rewrite` (a RewriterConfig), the Grappler optimizers that
   find nothing to change on a split graph but walk all of it before its first
@@ -89,6 +96,12 @@ def _skip_idle_optimizers(graph_def, rewrite):
 
   - The TFG (MLIR) passes: shape inference, topological sort and control-flow
     sinking; a split graph is already sorted and has no control flow to sink.
+  - Without TF1 control flow or stacks in the graph, and no functions (whose
+    If / While TF lowers to Switch and Merge before Grappler): the loop
+    optimizer. It removes Switch branches a constant predicate kills and
+    unread stack pushes, and has nothing else to do (its loop-invariant
+    motion is off by default), but first indexes the whole graph (0.1 s of
+    the 12-block GPT's first call, 0.4 s on a busy host).
   - Without a GPU in the graph: the layout optimizer (it converts layouts
     for GPUs only unless `cpu_layout_conversion` asks) and the memory
     optimizer (its swapping targets GPU memory; on the host, tfsplit's own
@@ -96,6 +109,9 @@ def _skip_idle_optimizers(graph_def, rewrite):
   """
   default = rewriter_config_pb2.RewriterConfig
   rewrite.disable_tfg_optimizer = True
+  if rewrite.loop_optimization == default.DEFAULT and not graph_def.library.function and (
+      not any(node.op in _LOOP_OPTIMIZER_OPS for node in graph_def.node)):
+    rewrite.loop_optimization = default.OFF
   if any(is_gpu(node.device) for node in graph_def.node):
     return
   if rewrite.layout_optimizer == default.DEFAULT and (
@@ -115,7 +131,7 @@ class GraphFunction(object):
   def __init__(self, concrete, graph_def):
     self.concrete = concrete
     self.graph_def = graph_def
-    self._own_config = has_schedule(graph_def) or is_split(graph_def)
+    self._own_config = is_split(graph_def) or has_schedule(graph_def)
     self._options = {}  # caller's serialized config -> FunctionCallOptions
 
   def _call_options(self, current):
@@ -200,96 +216,33 @@ def variable_key(variable):
   return name[:-2] if name.endswith(":0") else name
 
 
-_CONTROL_FLOW_OPS = frozenset(["Switch", "RefSwitch", "Merge", "RefMerge", "Enter",
-                                "RefEnter", "Exit", "RefExit", "NextIteration",
-                                "RefNextIteration", "LoopCond"])
+def _runtime_copy(graph_def, leave_out=()):
+  """Split graph `graph_def` as TF runs it, without the per-node records
+  (sharding/builder.py) and the nodes in `leave_out`; other graphs are
+  returned as they are.
 
-
-def _runtime_copy(graph_def, outputs, leave_out=()):
-  """What TF needs of split graph `graph_def` to run it for `outputs` (node
-  names); other graphs are returned as they are.
-
-  The split makes many nodes that TF drops before it runs a function, and
-  importing them only to drop them costs time; so, and for the same result:
-  - the per-node records (sharding/builder.py) are left out: each names its
-    node's original, so two identical copies of one op on a device would
-    differ by an attr, and Grappler's common-subgraph elimination, which the
-    original function gets, would keep both;
-  - nodes TF prunes from a function body before running it are left out:
-    stateless ops that no output, stateful op or control-flow op reads (the
-    global shape constants the split replaced by local ones). Placeholders
-    stay: they are the function's arguments and captures (but those in
-    `leave_out`);
-  - identical constants on one device are one (as Grappler's common-subgraph
-    elimination makes them: every device gets its copy of every constant).
+  The records name each node's original, so two identical copies of one op
+  on a device would differ by an attr, and Grappler's common-subgraph
+  elimination, which the original function gets, would keep both. The split
+  itself drops unread constants and merges identical ones
+  (passes/split.py); what else no output reads TF prunes from the function
+  body before running it.
   """
-  if not any(builder_lib.SOURCE_ATTR in n.attr for n in graph_def.node):
+  if not is_split(graph_def):
     return graph_def
-  nodes = {n.name: n for n in graph_def.node}
-  roots = {}
-
-  def is_root(op):
-    if op not in roots:
-      op_def = op_def_registry.get(op)
-      roots[op] = (op_def is None or op_def.is_stateful or op in _CONTROL_FLOW_OPS or
-                   op == "Placeholder")
-    return roots[op]
-  live = set()
-  stack = [o for o in outputs if o in nodes] + [n.name for n in graph_def.node
-                                                if is_root(n.op)]
-  while stack:
-    name = stack.pop()
-    if name in live:
-      continue
-    live.add(name)
-    for text in nodes[name].input:
-      # (node names have no ':'; '^name' is a control input)
-      text = text[1:] if text[:1] == "^" else text.partition(":")[0]
-      if text not in live and text in nodes:
-        stack.append(text)
-  same, first = {}, {}  # a constant -> the identical one it is replaced by
-  keep = set(outputs)
-  plain_const = {"dtype", "value", *_RECORD_ATTRS}
-  for node in graph_def.node:
-    if node.op != "Const" or node.input or node.name not in live or node.name in keep:
-      continue
-    attr = node.attr
-    if plain_const.issuperset(attr):  # the usual Const: its dtype and value say it all
-      key = (node.device, attr["dtype"].type, attr["value"].tensor.SerializeToString())
-    else:
-      key = (node.device,) + tuple(
-          (k, attr[k].SerializeToString(deterministic=True)) for k in sorted(attr)
-          if k not in _RECORD_ATTRS)
-    if key in first:
-      same[node.name] = first[key]
-    else:
-      first[key] = node.name
   copy = graph_pb2.GraphDef()
   copy.versions.CopyFrom(graph_def.versions)
   copy.library.CopyFrom(graph_def.library)
-  if len(live) == len(nodes) and not same and not leave_out:
-    copy.node.extend(graph_def.node)
-  else:
+  if leave_out:
     leave_out = set(leave_out)
-    copy.node.extend(n for n in graph_def.node
-                     if n.name in live and n.name not in same and n.name not in leave_out)
-  renamed = {}  # input text naming a dropped constant -> the text naming its twin
-  for name, twin in same.items():
-    renamed[name] = renamed[name + ":0"] = twin
-    renamed["^" + name] = "^" + twin
+    copy.node.extend(n for n in graph_def.node if n.name not in leave_out)
+  else:
+    copy.node.extend(graph_def.node)
   for node in copy.node:
     attr = node.attr
-    for key in _RECORD_ATTRS:
+    for key in builder_lib.RECORD_ATTRS:
       if key in attr:
         del attr[key]
-    if renamed and any(t in renamed for t in node.input):
-      inputs = []
-      for text in node.input:
-        text = renamed.get(text, text)
-        if text[:1] != "^" or text not in inputs:
-          inputs.append(text)
-      del node.input[:]
-      node.input.extend(inputs)
   return copy
 
 
@@ -416,14 +369,12 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
     return _import_into_default_graph(runtime_graph_def, input_map,
                                       [tensor(o) for o in outputs])
 
-  output_nodes = [o.split(":")[0] for o in outputs]
   if is_split(graph_def):  # every op is TF's own: no Python object per op needed
     fn = _function_from_graph_def(graph_def, [tensor(n) for n in inputs],
-                                  [tensor(o) for o in outputs], output_nodes, captures,
-                                  specs)
+                                  [tensor(o) for o in outputs], captures, specs)
     if fn is not None:
       return GraphFunction(fn, graph_def)
-  runtime_graph_def = _runtime_copy(graph_def, output_nodes)
+  runtime_graph_def = _runtime_copy(graph_def)
   return GraphFunction(tf.compat.v1.wrap_function(body, specs), graph_def)
 
 
@@ -446,10 +397,10 @@ class _Function(object):
     return self._atomic.call_flat(*flat, *self._handles)
 
 
-def _function_from_graph_def(graph_def, inputs, outputs, output_nodes, captures, specs):
-  """A _Function of split graph `graph_def` (inputs / outputs: tensor names,
-  output_nodes their nodes; captures: {placeholder tensor: variable}), or
-  None where TF's internals differ.
+def _function_from_graph_def(graph_def, inputs, outputs, captures, specs):
+  """A _Function of split graph `graph_def` (inputs / outputs: tensor names;
+  captures: {placeholder tensor: variable}), or None where TF's internals
+  differ.
 
   What wrap_function makes, without its Python object per op (most of its
   time on a split graph): the graph is imported into a bare C graph and
@@ -468,8 +419,7 @@ def _function_from_graph_def(graph_def, inputs, outputs, output_nodes, captures,
   except (ImportError, AttributeError):
     return None
   capture_names = [parse_input(t)[0] for t in captures]
-  args = {parse_input(t)[0] for t in inputs} | set(capture_names)
-  body = _runtime_copy(graph_def, output_nodes, leave_out=capture_names)
+  body = _runtime_copy(graph_def, leave_out=capture_names)
   graph = ops.Graph()
   with graph._c_graph.get() as c_graph:  # pylint: disable=protected-access
     # 1. The captured placeholders, with their variables' handle data.
@@ -478,7 +428,7 @@ def _function_from_graph_def(graph_def, inputs, outputs, output_nodes, captures,
     nodes = {n.name: n for n in graph_def.node if n.op == "Placeholder"}
     first.node.extend(nodes[n] for n in capture_names)
     for node in first.node:
-      for key in _RECORD_ATTRS:
+      for key in builder_lib.RECORD_ATTRS:
         if key in node.attr:
           del node.attr[key]
     options = new_options()
@@ -500,16 +450,14 @@ def _function_from_graph_def(graph_def, inputs, outputs, output_nodes, captures,
     for text in inputs + outputs:
       name, port = parse_input(text)
       c_api.TF_ImportGraphDefOptionsAddReturnOutput(options.options, name, port)
-    for node in body.node:
-      if node.name not in args:
-        c_api.TF_ImportGraphDefOptionsAddReturnOperation(options.options, node.name)
     results = _c_import(c_api, c_graph, body, options, new_results)
     returned = c_api.TF_ImportGraphDefResultsReturnOutputs(results.results)
     arg_outputs = list(returned[:len(inputs)]) + list(placeholders)
     ret_outputs = list(returned[len(inputs):])
-    operations = c_api.TF_ImportGraphDefResultsReturnOperations(results.results)
     name = f"__inference_tfsplit_graph_{ops.uid()}"
-    fn = c_api.TF_GraphToFunction_wrapper(c_graph, name, False, list(operations),
+    # The body: every op of the graph but the arguments' own (None: TF takes
+    # them all, less the inputs' ops, one output each as a placeholder has).
+    fn = c_api.TF_GraphToFunction_wrapper(c_graph, name, False, None,
                                           arg_outputs, ret_outputs, [], [], [], None, "")
   # The outputs' static shapes, as the imported graph's shape functions found them.
   out_specs, made = [], {}

@@ -37,6 +37,7 @@ class NodeRecord:
 SOURCE_ATTR = "_tfsplit_source"
 DEVICE_ID_ATTR = "_tfsplit_device_id"
 SHARED_ATTR = "_tfsplit_shared"
+RECORD_ATTRS = (SOURCE_ATTR, DEVICE_ID_ATTR, SHARED_ATTR)   # a node's record, all of it
 
 
 def stamp_records(graph_def, records):
