@@ -79,6 +79,9 @@ def best_of(fn, repeats):
   """(best seconds, last result) of calling fn() `repeats` times."""
   best, result = None, None
   for _ in range(repeats):
+    # The last call's result is freed before the clock starts: freeing a
+    # split function (its graph, its shard variables) is not the next call's.
+    result = None
     t0 = time.perf_counter()
     result = fn()
     dt = time.perf_counter() - t0
