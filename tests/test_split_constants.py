@@ -73,8 +73,7 @@ def test_constant_sweeps_keep_what_every_op_reads():
   state = _state()
   graph_def = state.materialized.graph_def
   before = _reads(graph_def)
-  split_lib.drop_unread_constants(state)
-  split_lib.merge_identical_constants(state)
+  split_lib.lean_constants(state)
   assert _reads(graph_def) == before   # the same device's same value, for every read
   nodes = {n.name: n for n in graph_def.node}
   assert sorted(nodes) == ["a", "b", "c", "c1", "c3", "c4", "c5", "c6"]
