@@ -121,13 +121,21 @@ def element_count(shape):
 
 def delete_nodes(graph_def, names):
   """Deletes the nodes named in the set `names` from `graph_def`, in place;
-  returns their names in graph order. From the last one back, so no other
-  NodeDef moves or is copied (rebuilding the node list copies every node
-  kept: twice the time on a split graph)."""
-  doomed = [i for i, node in enumerate(graph_def.node) if node.name in names]
-  removed = [graph_def.node[i].name for i in doomed]
-  for i in reversed(doomed):
-    del graph_def.node[i]
+  returns their names in graph order. Each run of neighbours goes in one
+  slice, from the last run back: no other NodeDef is copied (rebuilding the
+  node list copies every node kept), and the nodes after a run move once
+  per run, not once per node (a split's constants sit in runs: 44k nodes in
+  12.7k runs on a 48-block GPT's tp=4 split)."""
+  runs, removed = [], []
+  for i, node in enumerate(graph_def.node):
+    if node.name in names:
+      removed.append(node.name)
+      if runs and runs[-1][1] == i:
+        runs[-1][1] = i + 1
+      else:
+        runs.append([i, i + 1])
+  for start, stop in reversed(runs):
+    del graph_def.node[start:stop]
   return removed
 
 
