@@ -66,19 +66,6 @@ def _parse_every(inputs):
   return out
 
 
-def _parse_data(inputs):
-  """[(name, port)] of the data inputs among input strings `inputs`."""
-  out = []
-  for text in inputs:
-    if text[:1] == "^":
-      continue
-    if ":" in text:
-      out.append(parse_input(text))
-    else:
-      out.append((text, 0))
-  return out
-
-
 def inputs_come_first(graph_def):
   """Whether every input of every node of `graph_def` names an earlier node
   and no name repeats: then the graph is acyclic and its node order a
@@ -120,23 +107,21 @@ def element_count(shape):
 
 
 def delete_nodes(graph_def, names):
-  """Deletes the nodes named in the set `names` from `graph_def`, in place;
-  returns their names in graph order. Each run of neighbours goes in one
+  """Deletes the nodes named in the set `names` from `graph_def`, in place.
+  Each run of neighbours goes in one
   slice, from the last run back: no other NodeDef is copied (rebuilding the
   node list copies every node kept), and the nodes after a run move once
   per run, not once per node (a split's constants sit in runs: 44k nodes in
   12.7k runs on a 48-block GPT's tp=4 split)."""
-  runs, removed = [], []
+  runs = []
   for i, node in enumerate(graph_def.node):
     if node.name in names:
-      removed.append(node.name)
       if runs and runs[-1][1] == i:
         runs[-1][1] = i + 1
       else:
         runs.append([i, i + 1])
   for start, stop in reversed(runs):
     del graph_def.node[start:stop]
-  return removed
 
 
 class Graph(object):
@@ -386,14 +371,14 @@ class Graph(object):
     self._nodes[name] = node
     if self._used_names is not None:
       self._used_names.add(name)
+    parsed = tuple(_parse_every(node.input))
     if self._consumers is not None:
-      for index, text in enumerate(node.input):
-        src, port = parse_input(text)
+      for index, (src, port) in enumerate(parsed):
         self._consumers[src].append((name, index, port))
     if self._inputs is not None:
-      self._inputs[name] = tuple(_parse_every(node.input))
+      self._inputs[name] = parsed
     if self._data_inputs is not None:
-      self._data_inputs[name] = tuple(_parse_data(node.input))
+      self._data_inputs[name] = tuple(p for p in parsed if p[1] >= 0)
     return node
 
   def add_node_def(self, node_def):

@@ -456,7 +456,7 @@ class Costing(object):
       again[j:i] = rc
     per_micro = float((f + b + np.where(again & self.split, f, 0.0)).sum())
     upd_work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
-    per_step = float((upd_work + self.upd_fixed).sum()) + self.profile.other_update
+    per_step = float((upd_work + self.upd_fixed).sum()) + profile.other_update
     work = groups * (m * per_micro + per_step)
     # Seconds of the collectives' fixed costs: each over its group's size.
     launches = 0.0
