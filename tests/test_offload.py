@@ -15,7 +15,7 @@ from tfsplit.passes import split_graph
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.mesh import Mesh, local_cpu_devices
 
-from _util import check_training, example
+from _util import check_training, example, names
 
 BATCH = 8
 HOST = local_cpu_devices(1)[0]
@@ -128,3 +128,18 @@ def test_rewrite_cli(tmp_path, capsys):
   err = capsys.readouterr().err.strip()
   assert len(err.splitlines()) == 1 and "--offload-device" in err
   assert not os.path.exists(out2)
+
+
+def test_moved_constants_stay_with_their_readers():
+  """An op left on a device reads its own device's constants, never one of
+  the host's: materialize keeps the constants the plan moves apart from the
+  equal ones that stay (on this model, the step counter's 1)."""
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  ex = example("gpt_keras3", batch_size=BATCH)
+  result = split_graph(load_graph(ex.concrete("train"), variable_names=names(ex)),
+                       _mesh("tp=2"), offload="optimizer")
+  nodes = {n.name: n for n in result.graph_def.node}
+  reads = [(n, nodes[t.lstrip("^").split(":")[0]]) for n in result.graph_def.node
+           if n.device != HOST for t in n.input]
+  assert [(n.name, c.name) for n, c in reads if c.op == "Const" and c.device == HOST] == []
+  assert any(c.op == "Const" for _, c in reads)

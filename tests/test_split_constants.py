@@ -81,3 +81,33 @@ def test_constant_sweeps_keep_what_every_op_reads():
   assert list(nodes["b"].input) == ["c4", "c1"]
   assert sorted(state.materialized.records) == sorted(nodes)
   assert inputs_come_first(graph_def)
+
+
+def _constant_reads(graph_def):
+  """[(reader, its device, the constant's device)] and the constants' keys
+  per device, of a split graph."""
+  nodes = {n.name: n for n in graph_def.node}
+  reads = [(n.name, n.device, nodes[t.lstrip("^").split(":")[0]].device)
+           for n in graph_def.node for t in n.input
+           if nodes[t.lstrip("^").split(":")[0]].op == "Const"]
+  keys = [(n.device, builder_lib.constant_key(n)) for n in graph_def.node
+          if n.op == "Const" and not n.input]
+  return reads, keys
+
+
+def test_split_graph_reads_one_constant_per_value_on_its_own_device():
+  """The materialized copies share constants per device, never across them."""
+  import os  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  train = os.path.join(os.path.dirname(__file__), "..", "examples", "gpt_raw_train_tiny.pb")
+  graph_def = load_graph(train)
+  for mesh, microbatches in (("tp=2", 1), ("dp=2", 2)):
+    result = split_lib.split_graph(graph_def, Mesh.parse(mesh), microbatches=microbatches)
+    reads, keys = _constant_reads(result.graph_def)
+    assert reads
+    crossing = [r for r in reads if r[1] != r[2]]
+    assert not crossing, crossing[:3]
+    assert len(keys) == len(set(keys))
+    devices = {k[0] for k in keys}
+    assert len(devices) == 2, devices

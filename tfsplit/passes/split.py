@@ -17,8 +17,10 @@ another module's private fields:
                          constrained to their blocks, propagated again
 4. assign_stages        pipeline only: every node's stage (its model chunk
                          with virtual stages: chunk c runs on stage c % S)
+   plan_offload         offload= only: the nodes that move to the host CPU
 5. materialize          one copy of each op per device, collectives between
-                         shardings (sharding/reshard.py), per-node records
+                         shardings (sharding/reshard.py), per-node records;
+                         a device's identical constants made one
 6. check_microbatch_independence
                         no micro-batch needs another's activations
 7. order_microbatches   micro-batch j+1 waits for micro-batch j (no pipeline)
@@ -29,7 +31,8 @@ another module's private fields:
    offload_optimizer    offload= only: optimizer slots and their update ops
                          on each device's host CPU (memory/offload.py)
 9. lean_constants       device copies of constants nothing reads removed,
-                         identical constants on one device made one
+                         identical constants on one device made one (those
+                         rules and collectives made)
 10. check_acyclic       the result can run
 """
 import dataclasses
@@ -45,7 +48,7 @@ from tfsplit.cost import op_cost
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
-from tfsplit.graph.ir import delete_nodes, inputs_come_first, without_gc
+from tfsplit.graph.ir import delete_positions, inputs_come_first, without_gc
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
@@ -85,6 +88,9 @@ class SplitState:
   zero: object = None   # shard_optimizer_state's sharding.zero.ZeroPlan, or None
   offload: object = None  # offload_optimizer's memory.offload.OffloadPlan, or None
   offloaded_nodes: int = 0
+  # lean_constants' finding: every input of the result names an earlier node
+  # (None: not known)
+  inputs_come_first: Optional[bool] = None
 
 
 # --- passes ----------------------------------------------------------------------
@@ -175,7 +181,8 @@ def materialize_devices(state):
   state.materialized = materialize(analysis.graph, analysis.shapes, state.mesh,
                                    state.propagation, analysis.variables,
                                    state.config.timeout_seconds, state.stage_of,
-                                   scatter_microbatches=state.config.zero >= 2)
+                                   scatter_microbatches=state.config.zero >= 2,
+                                   moved=state.offload.nodes if state.offload else ())
   if state.zero is not None:
     zero_lib.annotate_manifest(state.materialized.manifest, state.zero, analysis.variables)
 
@@ -244,18 +251,23 @@ def bucket_gradients(state):
       out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes))
 
 
+def plan_offload(state):
+  """CPU offload (config.offload): which original nodes move to their
+  device's host (optimizer slots, their reads and writes, and the update ops
+  computing only from slots and gradients; memory/offload.py). Planned before
+  materialization, which keeps their constants apart from those that stay."""
+  if state.config.offload:
+    state.offload = offload_lib.plan_offload(state.analysis, state.mesh,
+                                             state.config.offload_device)
+
+
 def offload_optimizer(state):
-  """CPU offload (config.offload): optimizer slots, their reads and writes
-  and the update ops computing only from slots and gradients moved, by
-  their records, to each device's host CPU; the manifest says where each
-  slot's shards live (memory/offload.py)."""
-  if not state.config.offload:
+  """Moves the planned nodes' copies, by their records, to each device's host
+  CPU; the manifest says where each slot's shards live."""
+  if state.offload is None:
     return
-  analysis = state.analysis
-  state.offload = offload_lib.plan_offload(analysis, state.mesh,
-                                           state.config.offload_device)
   state.offloaded_nodes = offload_lib.apply_offload(state.materialized, state.offload,
-                                                    analysis.variables)
+                                                    state.analysis.variables)
   logging.info("%s", offload_lib.summary(state.materialized.manifest,
                                          state.offloaded_nodes).strip())
 
@@ -280,37 +292,55 @@ def lean_constants(state):
   input (a control edge) or one another node is colocated with. A removed
   duplicate's readers read the first of its kind, which keeps the node order
   topological; removed nodes' records go with them. One scan of the graph
-  and one deletion: on a 48-block GPT's tp=4 split (165k nodes) each scan
-  costs a quarter of a second."""
+  and one deletion: on a 48-block GPT's tp=4 split (127k nodes) each scan
+  costs a quarter of a second. The scan also records whether every input
+  names an earlier node (state.inputs_come_first), which the acyclic check
+  would otherwise scan for again."""
   out = state.materialized
   graph_def = out.graph_def
   outputs = set(graph_outputs(state.analysis.graph))
-  read, colocated, consts = set(), set(), []
-  for node in graph_def.node:
+  read, colocated, consts, const_readers = set(), set(), [], []
+  seen = {}  # node so far -> whether it is a Const
+  ordered = True
+  for position, node in enumerate(graph_def.node):
+    reads_constant = False
     for text in node.input:
-      read.add(text[1:] if text[:1] == "^" else text.partition(":")[0])
-    if node.op == "Const":
-      consts.append(node)
+      name = text[1:] if text[:1] == "^" else text.partition(":")[0]
+      read.add(name)
+      is_const = seen.get(name)
+      if is_const is None:
+        ordered = False
+      elif is_const:
+        reads_constant = True
+    if reads_constant:
+      const_readers.append(node)
+    name = node.name
+    if name in seen:
+      ordered = False  # defined twice: Graph says so
+    is_const = seen[name] = node.op == "Const"
+    if is_const:
+      consts.append((position, node))
     if "_class" in node.attr:
       colocated.update(s.decode()[len("loc:@"):] for s in node.attr["_class"].list.s)
-  doomed, first, renamed = set(), {}, {}
-  for node in consts:
+  doomed, first, renamed = [], {}, {}
+  for position, node in consts:
     name = node.name
     if getattr(out.records.get(name), "source", None) in outputs:
       continue
     if name not in read:
-      doomed.add(name)
+      doomed.append((position, name))
       continue
     if node.input or not node.device or name in colocated:
       continue
-    twin = first.setdefault(_constant_key(node), name)
+    twin = first.setdefault((node.device, builder_lib.constant_key(node)), name)
     if twin != name:
-      doomed.add(name)
+      doomed.append((position, name))
       # input texts naming the removed constant -> the texts naming its twin
       renamed[name] = renamed[name + ":0"] = twin
       renamed["^" + name] = "^" + twin
   if renamed:
-    for node in graph_def.node:
+    # In order, a constant's readers come after it, so were seen reading one.
+    for node in const_readers if ordered else graph_def.node:
       if not renamed.keys().isdisjoint(node.input):
         inputs = []
         for text in node.input:
@@ -319,13 +349,16 @@ def lean_constants(state):
             inputs.append(text)
         del node.input[:]
         node.input.extend(inputs)
-  delete_nodes(graph_def, doomed)
-  for name in doomed:
+  # Renaming to an earlier twin and deleting keep an order topological.
+  delete_positions(graph_def, [position for position, _ in doomed])
+  for _, name in doomed:
     out.records.pop(name, None)
+  state.inputs_come_first = ordered
 
 
 def check_acyclic(state):
-  if inputs_come_first(state.materialized.graph_def):
+  if state.inputs_come_first or (state.inputs_come_first is None and
+                                 inputs_come_first(state.materialized.graph_def)):
     return  # materialize adds nodes after their inputs; schedules may not
   try:
     Graph(state.materialized.graph_def).topological_order()
@@ -335,7 +368,7 @@ def check_acyclic(state):
 
 
 PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
-          shard_optimizer_state, assign_stages, materialize_devices,
+          shard_optimizer_state, assign_stages, plan_offload, materialize_devices,
           check_microbatch_independence, order_work, bucket_gradients, offload_optimizer,
           lean_constants, check_acyclic)
 
@@ -375,19 +408,6 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
 
 
 # --- helpers -----------------------------------------------------------------------
-_PLAIN_CONST_ATTRS = frozenset(("dtype", "value") + builder_lib.RECORD_ATTRS)
-
-
-def _constant_key(node):
-  """What makes Const `node` the same as another: its device and attrs, the
-  per-node records aside."""
-  attr = node.attr
-  if _PLAIN_CONST_ATTRS.issuperset(attr):  # the usual Const: dtype and value say it all
-    return (node.device, attr["dtype"].type, attr["value"].tensor.SerializeToString())
-  return (node.device,) + tuple((k, attr[k].SerializeToString(deterministic=True))
-                                for k in sorted(attr) if k not in builder_lib.RECORD_ATTRS)
-
-
 def _stage_costs(analysis, mesh):
   """(seconds per model layer, seconds per cut) on the mesh's kind of device:
   roofline op times, and activations plus their gradients over one link."""

@@ -110,6 +110,19 @@ def safe_axis(axis):
   return axis.replace("*", "_x_")
 
 
+_PLAIN_CONST_ATTRS = frozenset(("dtype", "value") + RECORD_ATTRS)
+
+
+def constant_key(node):
+  """What makes Const `node` the same value as another on its device: its
+  attrs, the per-node records aside."""
+  attr = node.attr
+  if _PLAIN_CONST_ATTRS.issuperset(attr):  # the usual Const: dtype and value say it all
+    return (attr["dtype"].type, attr["value"].tensor.SerializeToString())
+  return tuple((k, attr[k].SerializeToString(deterministic=True))
+               for k in sorted(attr) if k not in RECORD_ATTRS)
+
+
 def const_node(name, value, device):
   value = np.asarray(value)
   node = node_def_pb2.NodeDef(name=name, op="Const", device=device)

@@ -8,7 +8,8 @@ asked for, and each graph output keeps its name (on device 0, whole, after
 every device's copy). Control edges are only copied within one device, so the
 members of a collective are never ordered against each other across devices.
 Micro-batch copies of an op that does not depend on the micro-batch (an
-optimizer update) are shared: one per device.
+optimizer update) are shared: one per device, and so are identical constants:
+a device's copies of constants with the same value are one node.
 """
 import dataclasses
 import zlib
@@ -23,8 +24,8 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import parse_input
 from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.rules.base import Decision
-from tfsplit.sharding.builder import (DeviceGraph, local_name, shard_variable_name,
-                                      shard_variable_node, tensor)
+from tfsplit.sharding.builder import (DeviceGraph, constant_key, local_name,
+                                      shard_variable_name, shard_variable_node, tensor)
 from tfsplit.sharding.localize import LocalizeContext
 from tfsplit.sharding.placement import Placement
 from tfsplit.sharding.reshard import Resharder
@@ -49,7 +50,7 @@ class Materialized:
 class _Materializer(object):
 
   def __init__(self, graph, shapes, mesh, propagation, variables, timeout, stage_of,
-               scatter_microbatches=False):
+               scatter_microbatches=False, moved=frozenset()):
     self.graph, self.shapes, self.mesh, self.prop = graph, shapes, mesh, propagation
     self.variables = {v.node: v for v in variables}
     self.place = Placement(mesh, stage_of)
@@ -64,6 +65,10 @@ class _Materializer(object):
     self.sources = {}        # (src, port) -> source()'s answer
     self.reshards = {}       # (src, port, want, raw) -> [local tensor per device]
     self.deferred, self.manifest, self.output_copies = [], {}, {}
+    # Constants whose copies stay apart: the outputs keep theirs, and moved
+    # ones (to a host, after this) must not be read where they were.
+    self.unmerged = frozenset(graph_outputs(graph)) | frozenset(moved)
+    self.constants = {}      # (device, constant_key) -> the local copy made first
 
   def lname(self, name, d):
     """Node `name`'s copy as device d sees it (its stage's; shared ones aliased)."""
@@ -170,6 +175,10 @@ class _Materializer(object):
     devices = self.mesh.devices
     localize = decision.localize
     in_infos = None if localize is None else [self.shapes.tensor(s, p) for s, p in data]
+    # One copy per device of each constant value (TF would merge them at the
+    # first call; every tool before it would carry them).
+    merged_as = constant_key(node) if node.op == "Const" and not texts and \
+        localize is None and name not in self.unmerged else None
     for d in self.place.ids_for(name):
       r = self.r.rep(d)
       if r != d:
@@ -187,6 +196,11 @@ class _Materializer(object):
               "micro-batch (its inputs differ between micro-batches); this is a bug in "
               "tfsplit's micro-batching, please report it")
       local = local_name(name, d)
+      if merged_as is not None:
+        first = self.constants.setdefault((devices[d], merged_as), local)
+        if first != local:
+          self.alias[(name, d)] = first
+          continue
       if localize is None:
         # Edited in place in the output: one copy of the NodeDef, not two.
         new = self.b.add_copy(node, local, devices[d], name, d)
@@ -264,11 +278,13 @@ class _Materializer(object):
 
 
 def materialize(graph, shapes, mesh, propagation, variables, timeout_seconds=None,
-                stage_of=None, scatter_microbatches=False):
+                stage_of=None, scatter_microbatches=False, moved=frozenset()):
   """Materialized per-device graph of `graph` under `propagation` (see module doc).
 
   scatter_microbatches: a partial sum over micro-batches and a real axis
   wanted split over that axis is reduce-scattered per micro-batch, then
-  summed as blocks (ZeRO stage 2; see sharding/reshard.py)."""
+  summed as blocks (ZeRO stage 2; see sharding/reshard.py).
+  moved: original nodes a later pass moves off their device (offload); their
+  constants are not merged with the others."""
   return _Materializer(graph, shapes, mesh, propagation, variables, timeout_seconds,
-                       stage_of, scatter_microbatches).run()
+                       stage_of, scatter_microbatches, moved).run()
