@@ -290,15 +290,36 @@ class Graph(object):
 
   @without_gc
   def _compute_order(self):
+    """Kahn's order, the smallest node index first among the ready nodes,
+    in one scan in node order: a node whose inputs are all out when its turn
+    comes goes then; one waiting for a later node goes as soon as its last
+    input is out (before any later node), where smallest-first Kahn puts it.
+    Graphs in order (a traced function has one late edge, a split none) pay
+    one look-up per input, not the edge lists and a heap operation per node."""
+    import heapq  # pylint: disable=import-outside-toplevel
     nodes = self._nodes
     names = list(nodes)
     index = {name: i for i, name in enumerate(names)}
     loop_back = {i for i, node in enumerate(nodes.values()) if node.op in _LOOP_BACK_OPS}
     every = self._every_input()
-    pending = [0] * len(names)
-    children = [[] for _ in names]
-    in_order = True  # every input (but loop back edges) comes earlier already
+    out = [False] * len(names)
+    order = []
+    missing = {}   # waiting node -> inputs not out yet
+    waiters = {}   # node -> nodes waiting for it (once per edge)
+    ready = []     # heap of waiting nodes whose inputs are all out
+
+    def emit(i):
+      out[i] = True
+      order.append(i)
+      for waiter in waiters.pop(i, ()):
+        missing[waiter] -= 1
+        if not missing[waiter]:
+          del missing[waiter]
+          heapq.heappush(ready, waiter)
+
     for i, name in enumerate(names):
+      while ready:   # waiting nodes come before node i: their index is smaller
+        emit(heapq.heappop(ready))
       count = 0
       for k, (src, _) in enumerate(every[name]):
         j = index.get(src)
@@ -307,28 +328,18 @@ class Graph(object):
           raise GraphValidationError(
               f"node '{name}' (op {node.op}) reads '{node.input[k]}', but no node "
               f"'{src}' exists; the graph is incomplete or was cut badly")
-        if j in loop_back:
+        if out[j] or j in loop_back:
           continue
-        if j >= i:
-          in_order = False
-        children[j].append(i)
+        waiters.setdefault(j, []).append(i)
         count += 1
-      pending[i] = count
-    if in_order:
-      return names  # Kahn's order below would be this one
-    import heapq  # pylint: disable=import-outside-toplevel
-    ready = [i for i, c in enumerate(pending) if c == 0]  # sorted: a valid heap
-    order = []
-    pop, push = heapq.heappop, heapq.heappush
+      if count:
+        missing[i] = count
+      else:
+        emit(i)
     while ready:
-      i = pop(ready)
-      order.append(i)
-      for child in children[i]:
-        pending[child] -= 1
-        if pending[child] == 0:
-          push(ready, child)
+      emit(heapq.heappop(ready))
     if len(order) != len(names):
-      stuck = [n for i, n in enumerate(names) if pending[i] > 0]
+      stuck = [names[i] for i in sorted(missing)]
       cycle = self._find_cycle(set(stuck))
       raise GraphValidationError(
           f"the graph has a cycle through node '{cycle[0]}' (op "
