@@ -125,6 +125,56 @@ def test_out_of_order_inputs(reads, cycle):
     validate_graph_def(graph_def, import_check=False)
 
 
+def _kahn_smallest_first(graph_def):
+  """Node names in Kahn's order taking the smallest node index among the
+  ready ones (NextIteration's edges aside), or None on a cycle."""
+  import heapq  # pylint: disable=import-outside-toplevel
+  index = {n.name: i for i, n in enumerate(graph_def.node)}
+  pending, children = [0] * len(index), [[] for _ in index]
+  for i, node in enumerate(graph_def.node):
+    for text in node.input:
+      j = index[text.lstrip("^").split(":")[0]]
+      if graph_def.node[j].op != "NextIteration":
+        children[j].append(i)
+        pending[i] += 1
+  ready, order = [i for i, c in enumerate(pending) if not c], []
+  while ready:
+    i = heapq.heappop(ready)
+    order.append(graph_def.node[i].name)
+    for child in children[i]:
+      pending[child] -= 1
+      if not pending[child]:
+        heapq.heappush(ready, child)
+  return order if len(order) == len(index) else None
+
+
+def test_topological_order_is_smallest_first_kahn():
+  """On random graphs, most in order, some not, some cyclic: the order is
+  Kahn's taking the smallest index first, and a cycle is an error."""
+  rng = np.random.default_rng(0)
+  checked = {"in order": 0, "reordered": 0, "cyclic": 0}
+  for _ in range(300):
+    n = int(rng.integers(1, 30))
+    rank = rng.permutation(n)
+    graph_def = graph_pb2.GraphDef()
+    for i in range(n):
+      graph_def.node.add(name=f"n{rank[i]}",
+                         op="NextIteration" if rng.random() < 0.05 else "Identity")
+    for i, node in enumerate(graph_def.node):
+      for j in rng.integers(0, n, size=int(rng.integers(0, 4))):
+        if rank[j] < rank[i] or rng.random() < 0.02:  # a DAG by rank, rarely a cycle
+          node.input.append(("^" if rng.random() < 0.3 else "") + graph_def.node[j].name)
+    want = _kahn_smallest_first(graph_def)
+    if want is None:
+      checked["cyclic"] += 1
+      with pytest.raises(GraphValidationError, match="cycle through node"):
+        Graph(graph_def).topological_order()
+      continue
+    checked["in order" if want == [x.name for x in graph_def.node] else "reordered"] += 1
+    assert Graph(graph_def).topological_order() == want
+  assert min(checked.values()) > 10, checked
+
+
 def test_unknown_op(tmp_path, capsys):
   graph_def = _small_graph_def()
   graph_def.node[1].op = "MyFancyCustomOp"
