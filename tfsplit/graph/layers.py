@@ -205,6 +205,8 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     if is_grad:
       role[name] = BACKWARD
   forward_set = graph.data_ancestors(graph_outputs(graph))
+  # The nodes each node reads data from, listed once for the loops below.
+  sources = {name: [src for src, _ in graph.data_inputs(name)] for name in order}
   # Constants and arithmetic on constants only: they carry no role of their
   # own, so a gradient op taking one (the index bound of an UnsortedSegmentSum
   # densifying an embedding gradient) stays a gradient op.
@@ -212,7 +214,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   for name in order:
     if name in role:
       continue
-    data_in = [src for src, _ in graph.data_inputs(name)]
+    data_in = sources[name]
     if (op_of[name] == "Const" or data_in and all(s in constant for s in data_in)) \
         and not nodes[name].input[len(data_in):]:
       constant.add(name)
@@ -220,7 +222,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     if name in role:
       continue
     op = op_of[name]
-    data_in = [src for src, _ in graph.data_inputs(name)]
+    data_in = sources[name]
     if name in forward_set and not any(role.get(s) == BACKWARD for s in data_in):
       role[name] = FORWARD
     elif data_in and not constants.is_write_op(op) and op != "IdentityN" and any(
@@ -268,8 +270,18 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       if reader_scopes and all(len(s) < depth for s in reader_scopes):
         depth = max(1, depth - 1)
 
+  # id(scope list) -> its layer key: the nodes of one parent scope share one
+  # list (layer_scope), alive in scope_of while this runs.
+  keys_of_scope = {}
+
   def layer_key(name):
     scope = scope_of[name]
+    key = keys_of_scope.get(id(scope))
+    if key is None:
+      key = keys_of_scope[id(scope)] = scope_layer_key(scope)
+    return key
+
+  def scope_layer_key(scope):
     if blocks_scope is not None:
       # Under the blocks' parent: its child; elsewhere: the child of the
       # deepest scope shared with that parent (a task model's head, a
@@ -453,7 +465,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     layer.block = layer.name in blocks
   depends = set()
   for name in order:
-    if name in var_nodes or any(src in depends for src, _ in graph.data_inputs(name)):
+    if name in var_nodes or any(src in depends for src in sources[name]):
       depends.add(name)
   variable_free = frozenset(order) - depends
   return LayerReport(ordered, role, layer_of, variable_layer, depth, dict(readers),
