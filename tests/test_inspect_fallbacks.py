@@ -120,3 +120,17 @@ def test_mesh_that_does_not_fit_is_one_line(args, needle, tmp_path, capsys):
   assert len(lines) == 1 and lines[0].startswith("tfsplit inspect: error: "), err
   assert needle in lines[0]
   assert not report.exists()
+
+
+def test_fallback_message_keeps_its_parts():
+  """A fallback reads as its message and keeps node, op and reason apart,
+  also through a copy or a pickle (a reason may itself hold '; ')."""
+  import copy  # pylint: disable=import-outside-toplevel
+  import pickle  # pylint: disable=import-outside-toplevel
+  from tfsplit.sharding.propagate import Fallback  # pylint: disable=import-outside-toplevel
+  fallback = Fallback("scope/op", "ReverseV2", "no split rule; axis 0 is split")
+  assert fallback.startswith("node 'scope/op' (op ReverseV2): no split rule; axis 0")
+  for again in (copy.deepcopy(fallback), pickle.loads(pickle.dumps(fallback))):
+    assert again == fallback
+    assert (again.node, again.op, again.reason) == (
+        "scope/op", "ReverseV2", "no split rule; axis 0 is split")

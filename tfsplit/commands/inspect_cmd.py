@@ -9,7 +9,6 @@ were split over that mesh (as `tfsplit rewrite` would split it, with the same
 with how many, example nodes and why. Nothing is rewritten.
 """
 import collections
-import re
 import sys
 
 from absl import flags
@@ -22,10 +21,6 @@ USAGE = ("tfsplit inspect GRAPH [--mesh dp=2,tp=2 [--microbatches N] [--stages S
          "[--format table|json] [-o REPORT]")
 ARGS = (1, 1)
 _EXAMPLES = 3   # node names shown per op type in the table
-_MESSAGE = re.compile(r"^node '(?P<node>.*)' \(op (?P<op>[^)]*)\): (?P<reason>.*?); its "
-                      r"split inputs are gathered")
-
-
 def define_flags(fv):
   common.define_format(fv)
   common.define_output(fv, "Write the report here instead of stdout.")
@@ -95,21 +90,19 @@ def mesh_fallbacks(source, mesh, fv):
   return group_fallbacks(state.propagation.fallbacks, mesh, config)
 
 
-def group_fallbacks(messages, mesh, config):
+def group_fallbacks(fallbacks, mesh, config):
   """{mesh, ..., count, by_op: [{op, count, reasons: {reason: count}, nodes}]},
   op types by count (most first)."""
   groups = collections.OrderedDict()
-  for text in messages:
-    m = _MESSAGE.match(text)
-    node, op, reason = (m.group("node"), m.group("op"), m.group("reason")) if m else \
-        ("?", "?", text)
+  for fallback in fallbacks:   # propagate.Fallback: node, op and reason apart
+    node, op, reason = fallback.node, fallback.op, fallback.reason
     group = groups.setdefault(op, {"op": op, "count": 0, "reasons": {}, "nodes": []})
     group["count"] += 1
     group["reasons"][reason] = group["reasons"].get(reason, 0) + 1
     group["nodes"].append(node)
   ops = sorted(groups.values(), key=lambda g: (-g["count"], g["op"]))
   return {"mesh": str(mesh), "microbatches": int(config.microbatches),
-          "strategy": config.strategy, "count": len(messages), "by_op": ops}
+          "strategy": config.strategy, "count": len(fallbacks), "by_op": ops}
 
 
 def fallback_table(data):

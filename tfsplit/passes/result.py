@@ -9,7 +9,7 @@ class SplitResult:
   graph_def: object                    # the rewritten GraphDef
   manifest: Dict[str, dict]            # variable -> its shards (see passes/manifest.py)
   collectives: list                    # sharding.reshard.CollectiveRecord
-  fallbacks: List[str]                 # ops forced to replicate, with why
+  fallbacks: List[str]                 # ops forced to replicate, with why (propagate.Fallback)
   variable_specs: Dict[str, tuple]     # split variable -> dims
   output_copies: Dict[str, list]       # output -> [[device, local tensor]]
   records: Dict[str, object]           # local node -> sharding.materialize.NodeRecord

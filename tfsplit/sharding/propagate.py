@@ -40,7 +40,7 @@ class Propagation:
   outputs: Dict[str, List[Sharding]]      # node -> sharding per output
   handle_source: Dict[str, str]           # node -> variable handle node it forwards
   variable_specs: Dict[str, Sharding]     # variable handle node -> sharding
-  fallbacks: List[str]
+  fallbacks: List["Fallback"]  # in the order ops were decided
   order: List[str]
   # (node, port) -> the partial sharding it is produced in; consumers see it
   # reduced (one all-reduce right after the producer, shared by all).
@@ -53,6 +53,22 @@ class Propagation:
 
 def _is_resource(info):
   return info is not None and info.dtype == types_pb2.DT_RESOURCE
+
+
+class Fallback(str):
+  """One op replicated for want of a split rule, as the message users read
+  ("node 'n' (op Op): reason; its split inputs are gathered ..."), with its
+  node, op and reason apart for reports that group them."""
+
+  def __new__(cls, node, op, reason):
+    text = (f"node '{node}' (op {op}): {reason}; its split inputs are gathered to "
+            "full tensors (replicated)")
+    self = super().__new__(cls, text)
+    self.node, self.op, self.reason = node, op, reason
+    return self
+
+  def __getnewargs__(self):  # copies and pickles rebuild it from its parts
+    return (self.node, self.op, self.reason)
 
 
 def propagate(graph, shapes, mesh, variable_specs, input_specs=None, variables=(),
@@ -269,8 +285,7 @@ def _decide(ctx, fallbacks):
       decision = fallback(ctx, f"internal error in its split rule: {e}")
   arriving_split = any(s is not None and not s.is_replicated for s in ctx.in_specs)
   if decision.fallback and arriving_split:
-    msg = (f"node '{node.name}' (op {node.op}): {decision.fallback}; its split "
-           "inputs are gathered to full tensors (replicated)")
+    msg = Fallback(node.name, node.op, decision.fallback)
     # Reported with the result (SplitResult.fallbacks, rewrite's summary); a
     # warning here would put lines on stderr before a later one-line error.
     logging.info("fallback to replication: %s", msg)
