@@ -86,7 +86,7 @@ class SplitState:
   # original}, segments with their gates), or None
   recomputed: object = None
   zero: object = None   # shard_optimizer_state's sharding.zero.ZeroPlan, or None
-  offload: object = None  # offload_optimizer's memory.offload.OffloadPlan, or None
+  offload: object = None  # plan_offload's memory.offload.OffloadPlan, or None
   offloaded_nodes: int = 0
   # lean_constants' finding: every input of the result names an earlier node
   # (None: not known)
