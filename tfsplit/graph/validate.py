@@ -644,11 +644,10 @@ def _check_inputs(node, spec, outputs, earlier, late):
         late.append((src, node.name))
       seen_control = True
     else:
-      if text in earlier:
+      if text in nodes:
         data.append((text, text, 0))
-      elif text in nodes:
-        data.append((text, text, 0))
-        late.append((text, node.name))
+        if text not in earlier:
+          late.append((text, node.name))
       else:
         src, port = parse_input(text)
         if src not in earlier:

@@ -37,7 +37,6 @@ from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding.mesh import is_gpu
 
 
-
 def has_schedule(graph_def):
   """True if `graph_def` carries pipeline-schedule barriers."""
   return any(SCHEDULE_BARRIER_ATTR in n.attr for n in graph_def.node)
@@ -216,10 +215,18 @@ def variable_key(variable):
   return name[:-2] if name.endswith(":0") else name
 
 
+def _strip_records(nodes):
+  """Deletes the per-node records (sharding/builder.py) from NodeDefs `nodes`."""
+  for node in nodes:
+    attr = node.attr
+    for key in builder_lib.RECORD_ATTRS:
+      if key in attr:
+        del attr[key]
+
+
 def _runtime_copy(graph_def, leave_out=()):
   """Split graph `graph_def` as TF runs it, without the per-node records
-  (sharding/builder.py) and the nodes in `leave_out`; other graphs are
-  returned as they are.
+  (sharding/builder.py) and the nodes in `leave_out`.
 
   The records name each node's original, so two identical copies of one op
   on a device would differ by an attr, and Grappler's common-subgraph
@@ -228,8 +235,6 @@ def _runtime_copy(graph_def, leave_out=()):
   (passes/split.py); what else no output reads TF prunes from the function
   body before running it.
   """
-  if not is_split(graph_def):
-    return graph_def
   copy = graph_pb2.GraphDef()
   copy.versions.CopyFrom(graph_def.versions)
   copy.library.CopyFrom(graph_def.library)
@@ -238,11 +243,7 @@ def _runtime_copy(graph_def, leave_out=()):
     copy.node.extend(n for n in graph_def.node if n.name not in leave_out)
   else:
     copy.node.extend(graph_def.node)
-  for node in copy.node:
-    attr = node.attr
-    for key in builder_lib.RECORD_ATTRS:
-      if key in attr:
-        del attr[key]
+  _strip_records(copy.node)
   return copy
 
 
@@ -369,12 +370,13 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
     return _import_into_default_graph(runtime_graph_def, input_map,
                                       [tensor(o) for o in outputs])
 
-  if is_split(graph_def):  # every op is TF's own: no Python object per op needed
+  split = is_split(graph_def)
+  if split:  # every op is TF's own: no Python object per op needed
     fn = _function_from_graph_def(graph_def, [tensor(n) for n in inputs],
                                   [tensor(o) for o in outputs], captures, specs)
     if fn is not None:
       return GraphFunction(fn, graph_def)
-  runtime_graph_def = _runtime_copy(graph_def)
+  runtime_graph_def = _runtime_copy(graph_def) if split else graph_def
   return GraphFunction(tf.compat.v1.wrap_function(body, specs), graph_def)
 
 
@@ -427,10 +429,7 @@ def _function_from_graph_def(graph_def, inputs, outputs, captures, specs):
     first.versions.CopyFrom(graph_def.versions)
     nodes = {n.name: n for n in graph_def.node if n.op == "Placeholder"}
     first.node.extend(nodes[n] for n in capture_names)
-    for node in first.node:
-      for key in builder_lib.RECORD_ATTRS:
-        if key in node.attr:
-          del node.attr[key]
+    _strip_records(first.node)
     options = new_options()
     c_api.TF_ImportGraphDefOptionsSetPrefix(options.options, "")
     for name in capture_names:
