@@ -1,6 +1,7 @@
 """Per-op cost, graph simulation, calibration and estimates against measurements."""
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -247,9 +248,27 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   assert run(["tfsplit", "calibrate", graph, "-o", table, "--repeats", "2",
               "--traced", "1"]) == 0
   assert "measured op shapes" in capsys.readouterr().out
-  entries = json.load(open(table, encoding="utf-8"))["entries"]
+  saved = json.load(open(table, encoding="utf-8"))
+  entries = saved["entries"]
   # The graph's own matmuls were measured, keyed by op, dtype and shapes.
   assert "MatMul|float32|[4,32],[32,32]|[4,32]|transpose_a=0,transpose_b=0" in entries
+  # Only the graph's ops: the micro-benchmark's chains time each op alone,
+  # below what it costs inside a step, so they only fit the lines.
+  g = Graph(load_graph(graph))
+  g_shapes = infer_shapes(g)
+  assert set(entries) <= {op_cost.signature(n, g_shapes) for n in g.nodes}
+  # The reference step's time is this machine's level: timed again now, in
+  # the same process, it takes about what the table says.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  fn, args = calibrate.reference_step()
+  fn(*args)
+  times = []
+  for _ in range(9):
+    t0 = time.perf_counter()
+    np.asarray(fn(*args))
+    times.append(time.perf_counter() - t0)
+  level = sorted(times)[4] / saved["machine"]["reference_step"]
+  assert 0.5 < level < 2.0, (times, saved["machine"]["reference_step"])
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
               "--trace", trace, "--format", "json"]) == 0

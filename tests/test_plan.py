@@ -666,4 +666,6 @@ def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
   for text in meshes:
     mesh, _, m = text.partition(" m=")
     r = got[(mesh, int(m or 1))]
-    assert r["predicted"] == pytest.approx(r["measured"], rel=0.25), r
+    # At the machine's level while the steps ran (the calibration's
+    # reference step, timed in the same rounds, against its calibrated time).
+    assert r["predicted"] * r["level"] == pytest.approx(r["measured"], rel=0.25), r

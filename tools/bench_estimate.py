@@ -10,7 +10,8 @@ small), in a fresh Python process:
   per model: all CPU devices of a process share one allocator;
 - measured time: the median of --steps calls of the training step's
   ConcreteFunction (the graph's time; the tf.function's, which adds Python
-  dispatch, is printed beside it);
+  dispatch, is printed beside it), in three windows (before, between and
+  after the calibrations); the median window counts;
 - estimated memory: tfsplit's single-device simulation of the step's graph
   (variables, constants and inputs, plus the simulated peak of tensors);
 - estimated time: the simulation priced by a cost table that `calibrate`
@@ -112,19 +113,20 @@ def measure_one(name, size, steps, with_time):
     peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
   out = {"model": f"{name}:{size}", "measured_peak": int(
       statistics.median(peaks)), "measured_peaks": peaks}
-  if with_time:
+  windows = {"measured_step": [], "function_step": []}
+
+  def time_window():
     # The graph's own time: a call of its ConcreteFunction. A tf.function
     # call adds Python dispatch (argument binding, trace-cache lookup) on
     # top, which no graph estimate can see; it is printed beside it.
-    concrete = ex.concrete("train")
-    for key, fn in (("measured_step", concrete),
+    for key, fn in (("measured_step", ex.concrete("train")),
                     ("function_step", ex.train_step)):
       times = []
       for _ in range(steps):
         t0 = time.perf_counter()
         fn(*inputs)
         times.append(time.perf_counter() - t0)
-      out[key] = statistics.median(times)
+      windows[key].append(statistics.median(times))
 
   graph_def = load_graph(ex.concrete("train"))
   graph = Graph(graph_def)
@@ -136,13 +138,21 @@ def measure_one(name, size, steps, with_time):
   out["estimated_peak"] = res.memory[0].peak
   out["memory"] = res.memory[0].as_dict()
   if with_time:
+    # Steps are timed in three windows, before, between and after the two
+    # calibrations, and the median window counts: a burst of other work on
+    # the machine spoils one window, not the figure.
     from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+    time_window()
     for key, graphs in (("micro", []), ("calibrated", [graph_def])):
       table = calibrate.calibrate(graphs)
       res = graph_sim.simulate_graph(
           graph, cluster, op_cost.CostModel(cluster, table), shapes=shapes,
           variables=variables)
       out[f"{key}_step"] = res.step_time
+      time_window()
+    for key, medians in windows.items():
+      out[key] = statistics.median(medians)
+      out[f"{key}_windows"] = medians
   return out
 
 

@@ -20,13 +20,19 @@ common hand rule.
 3. With --measure MODELS (e.g. gpt_raw:small,mlp_raw:small): on --devices
    logical CPUs of this process, the planner's best --top plans for each
    example model (and plain data parallelism), each run with tfsplit.split
-   and timed (warm-up, then rounds of steps taking turns), against their
-   predicted step time. Costs come from a calibration table of the
-   micro-benchmarks alone (`tfsplit calibrate` without the graph: chains
-   of ops, small synthetic training steps, collectives and transfers
-   between two logical CPUs; calibrating from the graph being predicted
-   would flatter the prediction); the cluster is the cpu-host preset with
-   every device in one host.
+   and timed, against their predicted step time: after a warm-up, --rounds
+   rounds in which every model's plans take turns (--steps timed steps
+   each, after --settle unmeasured ones: a small step timed right after a
+   large one pays for the switch), and the median round. Costs come from a
+   calibration table of the micro-benchmarks alone (`tfsplit calibrate`
+   without the graph: chains of ops, small synthetic training steps,
+   collectives and transfers between logical CPUs; calibrating from the
+   graph being predicted would flatter the prediction); the cluster is the
+   cpu-host preset with every device in one host. The table's reference
+   step takes turns too: its time over the table's is the machine's level
+   now against when it was calibrated (other work on a shared machine moves
+   it by a tenth or more between minutes), printed, and the "x level"
+   column is the prediction at this level over the measurement.
 
     python tools/bench_planner.py [--repeats 3] [--graph-blocks 96]
     python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small \
@@ -58,7 +64,9 @@ flags.DEFINE_list("measure", [], "Example models (name:size) to plan on logical 
 flags.DEFINE_integer("devices", 4, "With --measure: logical CPU devices.")
 flags.DEFINE_integer("top", 3, "With --measure: plans timed per model.")
 flags.DEFINE_integer("steps", 10, "With --measure: steps per round.")
-flags.DEFINE_integer("rounds", 3, "With --measure: rounds.")
+flags.DEFINE_integer("rounds", 5, "With --measure: rounds.")
+flags.DEFINE_integer("settle", 2, "With --measure: unmeasured steps at the start of "
+                     "each plan's turn in a round.")
 flags.DEFINE_string("meshes", "", "With --measure: also time these candidates, "
                     "';'-separated 'MESH [m=K]' (e.g. 'dp=2;tp=2;dp=2,tp=2;pp=2 m=2'), "
                     "each with the planner's cut.")
@@ -186,7 +194,7 @@ def measured(specs):
         f"{table.collective_overhead * 1e6:.0f} us (4 devices: "
         f"{table.collective_for(4) * 1e6:.0f} us), transfer "
         f"{table.transfer_overhead * 1e6:.1f} us):")
-  rows, results = [], []
+  steps, priced = {}, []   # every model's plans, timed together
   for text in specs:
     name, _, size = text.partition(":")
     ex = models.build(name, size=size or "small", seed=0)
@@ -205,27 +213,45 @@ def measured(specs):
     chosen += [e for e in fixed if e is not None and
                all(e.candidate != x.candidate for x in chosen)]
     inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=0)]
-    steps = {}
-    for est in chosen:
+    ranked = min(FLAGS.top, len(result.ranked))
+    for rank, est in enumerate(chosen):
       plan = Plan.from_estimate(est, profile)
-      steps[est.label()] = (tfsplit.split(
+      steps[(text, est.label())] = (tfsplit.split(
           ex.train_step, plan=plan, input_signature=ex.train_signature,
           variable_names=names), inputs)
-    samples, _ = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
-                                     steps=FLAGS.steps)
-    for rank, est in enumerate(chosen):
-      label = est.label()
-      got = statistics.median(samples[label])
-      results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
-                      "microbatches": est.candidate.microbatches,
-                      "predicted": est.step_time, "measured": got})
-      rows.append([text, str(rank + 1) if rank < min(FLAGS.top, len(result.ranked)) else "-",
-                   label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
-                   f"{est.step_time / got:.2f}"])
+      priced.append((text, str(rank + 1) if rank < ranked else "-", est))
+  # All models' plans take turns in each round, so the rounds of one plan
+  # spread over the whole run and a burst of other work on the machine
+  # spoils one of its rounds rather than all of a model's; the median round
+  # counts.
+  reference = table.machine.get("reference_step")
+  if reference:   # the machine's level now against the table's: takes turns too
+    steps[REFERENCE] = calibrate.reference_step()
+  _, round_medians = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
+                                         steps=FLAGS.steps, settle=FLAGS.settle)
+  level = statistics.median(round_medians[REFERENCE]) / reference if reference else 1.0
+  rows, results = [], []
+  for text, rank, est in priced:
+    label = est.label()
+    got = statistics.median(round_medians[(text, label)])
+    results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
+                    "microbatches": est.candidate.microbatches,
+                    "predicted": est.step_time, "measured": got, "level": level,
+                    "round_medians": round_medians[(text, label)],
+                    "reference_rounds": round_medians.get(REFERENCE)})
+    rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
+                 f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
+  if reference:
+    print(f"  machine level: the reference step takes {level:.2f} x its time in the "
+          f"table ({statistics.median(round_medians[REFERENCE]) * 1e3:.2f} against "
+          f"{reference * 1e3:.2f} ms)")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
-                      "predicted/measured"], rows, "<<<>>>", indent="  "))
+                      "predicted/measured", "x level"], rows, "<<<>>>>", indent="  "))
   if FLAGS.measure_only:
     benchlib.print_result(results)
+
+
+REFERENCE = ("reference", "")   # the calibration's reference step among the timed steps
 
 
 def mesh_candidates(text):

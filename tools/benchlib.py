@@ -173,10 +173,13 @@ def _timed_step(fn, args):
   return time.perf_counter() - t0
 
 
-def take_turns(steps_by_name, warmup, rounds, steps):
+def take_turns(steps_by_name, warmup, rounds, steps, settle=0):
   """Times each {name: (fn, args)} step: `warmup` unmeasured calls each,
   then `rounds` rounds of `steps` calls, the steps taking turns within a
-  round so load from other processes spreads over all of them. Returns
+  round so load from other processes spreads over all of them. With
+  `settle`, each turn starts with that many unmeasured calls: a small step
+  timed right after a larger one otherwise pays for the switch (caches and
+  the intra-op threads' state are the other step's). Returns
   {name: [seconds per call]} and {name: [median seconds per round]}."""
   for fn, args in steps_by_name.values():
     for _ in range(warmup):
@@ -185,6 +188,8 @@ def take_turns(steps_by_name, warmup, rounds, steps):
   round_medians = {name: [] for name in steps_by_name}
   for _ in range(rounds):
     for name, (fn, args) in steps_by_name.items():
+      for _ in range(settle):
+        _timed_step(fn, args)
       times = [_timed_step(fn, args) for _ in range(steps)]
       samples[name] += times
       round_medians[name].append(statistics.median(times))

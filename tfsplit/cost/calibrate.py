@@ -15,7 +15,10 @@ graph to be predicted:
   several sizes; einsums and batched matmuls in each of their forms, see
   op_cost.op_form): the best MatMul FLOP/s and copy bandwidth (the roofline),
   the launch cost of a step, and `time_scale`, the ratio of an untraced
-  run's time to the summed traced op times;
+  run's time to the summed traced op times. Their op times only fit the
+  lines below; the table keeps no entry for them (an op alone in a chain
+  costs less than inside a step, so a model whose shapes matched a chain's
+  would be priced low); entries are the graphs' own ops;
 - small synthetic training steps (transformer blocks written with matmuls,
   as tf_keras writes them (einsums) and as Keras 3 does (batched matmuls by
   a matrix, attention einsums), MLPs; forward, gradients, an Adam update):
@@ -63,6 +66,7 @@ _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are mea
 # are timed where they run, inside a step; sequence 1 is an MLP.
 _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
                    (4, 24, 1, 96), (2, 48, 1, 160))
+_REFERENCE = 2   # the training step whose time is the machine's level (reference_step)
 # (batch x heads, sequence, head size) of attention's batched matmuls, and
 # (rows, features) of the row-wise ops: around the example models' sizes.
 _ATTENTION_SIZES = ((8, 32, 16), (32, 32, 16), (32, 64, 32))
@@ -143,12 +147,9 @@ def _kernel_seconds(stats):
   return (stats.op_end_rel_micros - stats.op_start_rel_micros) * 1e-6
 
 
-def _function_step_time(graph_def, graph, repeats, seed):
-  """Median seconds of calling `graph_def` as a TF2 function, untraced.
-
-  Timed the way a user runs a training step (an eager call of a function,
-  which costs more per call than Session.run), on fresh variables.
-  """
+def _function_and_args(graph_def, graph, seed):
+  """`graph_def` as a TF2 function on fresh variables, and arguments for
+  it: (fn, args)."""
   from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
@@ -164,6 +165,16 @@ def _function_step_time(graph_def, graph, repeats, seed):
     args.append(tf.constant(_feed_value(
         node.attr["dtype"].type,
         tf.TensorShape(node.attr["shape"].shape).as_list(), rng)))
+  return fn, args
+
+
+def _function_step_time(graph_def, graph, repeats, seed):
+  """Median seconds of calling `graph_def` as a TF2 function, untraced.
+
+  Timed the way a user runs a training step (an eager call of a function,
+  which costs more per call than Session.run), on fresh variables.
+  """
+  fn, args = _function_and_args(graph_def, graph, seed)
   for _ in range(2):
     fn(*args)
   steps = []
@@ -444,6 +455,22 @@ def training_steps(repeats, traced, say=None):
   return out
 
 
+def reference_step():
+  """(fn, args): the reference training step, one of the calibration's
+  small training steps, whose untraced time `calibrate` keeps in the table
+  (CostTable.machine['reference_step']). Timed again beside other work, its
+  time over the table's says how much slower or faster the machine runs
+  now than when the table was measured: a benchmark that judges
+  predictions priced by an older table divides that out."""
+  blocks, batch, seq, hidden = _TRAINING_STEPS[_REFERENCE]
+  graph_def = _training_graph(blocks, batch, seq, hidden, first_style=_REFERENCE)
+  fn, args = _function_and_args(graph_def, Graph(graph_def), 0)
+
+  def step(*inputs):   # a call runs the whole step; one output to read back
+    return fn(*inputs)[0]
+  return step, args
+
+
 def in_step_points(steps):
   """{signature: (line, NodeCost, seconds)} of the ops of the training
   steps, as they run inside a step: the median over its nodes of each
@@ -684,6 +711,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.flops = best_flops or None
   table.bandwidth = best_bw or None
   table.entries.update(entries)
+  graphs_entries = {}
   for i, graph_def in enumerate(graph_defs):
     say(f"graph {i + 1}/{len(graph_defs)}: {len(graph_def.node)} nodes")
     g = Graph(graph_def)
@@ -691,6 +719,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
     g_profile = profile_graph(graph_def, repeats=repeats, traced=traced)
     g_entries = entries_from_profile(g, g_shapes, g_profile)
     table.entries.update(g_entries)
+    graphs_entries.update(g_entries)
     for node in g.nodes:
       sig = op_cost.signature(node, g_shapes)
       if sig in g_entries and sig not in costs:
@@ -710,6 +739,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # on the chains. The steps' entries stay out of the table: only the lines
   # (fixed + factor * roofline) carry over to other shapes.
   steps = training_steps(repeats, traced, say)
+  table.machine["reference_step"] = steps[_REFERENCE][2].step_time
   points = in_step_points(steps)
   in_step = {op for op, _, _ in points.values()}
   fit = {sig: (op, model.roofline(cost), table.entries[sig])
@@ -722,10 +752,12 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # with the noise, and step_scale would only undo it).
   chain_overhead, table.op_overhead = table.op_overhead, 0.0
   time_scale, table.time_scale = table.time_scale, 1.0
+  table.fit_factors({sig: (op, model.roofline(cost)) for sig, (op, cost) in costs.items()})
   # The fixed time of a call is what it costs alone (the chains); what a
   # step adds to an op grows with the op (waiting for threads it would
-  # split its work over), so the in-step times fit only the factor.
-  table.fit_factors({sig: (op, model.roofline(cost)) for sig, (op, cost) in costs.items()})
+  # split its work over), so the in-step times fit only the factor. (Fitting
+  # both on the steps' times prices a small model's ops at the steps' sizes:
+  # the example MLPs came out at twice their measured steps.)
   alone = dict(table.op_fixed)
   alone.update({op: table.default_fixed for op in in_step if op not in alone})
   table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
@@ -733,4 +765,9 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.time_scale = time_scale
   table.graph_scale, table.op_overhead = step_scale(table, steps, cluster)
   table.machine["chain_op_overhead"] = chain_overhead
+  # Only the graphs' own ops keep their times. A chain's op runs alone: it
+  # costs less than the same op inside a step, so a model whose shapes
+  # happen to match the chains' (a raw TF GPT's 2-d MatMuls and BiasAdds)
+  # would be priced below one priced by the lines (Keras' einsums).
+  table.entries = graphs_entries
   return table

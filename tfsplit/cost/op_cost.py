@@ -274,8 +274,9 @@ def signature(node, shapes):
 class CostTable:
   """Measured op costs of one machine (see `tfsplit calibrate`).
 
-  entries: signature -> seconds (the median over its nodes of each one's
-    fastest traced run).
+  entries: signature -> seconds of the ops of the graphs calibrated
+    (`tfsplit calibrate GRAPH`): the median over its nodes of each one's
+    fastest traced run inside that graph's step.
   op_factor: line (an op type, or 'op:form' for the forms of op_form) ->
     measured / roofline time, for shapes not measured.
   default_factor: the factor for op types never measured.
