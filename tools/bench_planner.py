@@ -29,7 +29,8 @@ common hand rule.
    collectives and transfers between logical CPUs; calibrating from the
    graph being predicted would flatter the prediction); the cluster is the
    cpu-host preset with every device in one host. The table's reference
-   step takes turns too: its time over the table's is the machine's level
+   step takes turns too, after each model's plans: its median time over
+   the table's is the machine's level
    now against when it was calibrated (other work on a shared machine moves
    it by a tenth or more between minutes), printed, and the "x level"
    column is the prediction at this level over the measurement.
@@ -195,6 +196,10 @@ def measured(specs):
         f"{table.collective_for(4) * 1e6:.0f} us), transfer "
         f"{table.transfer_overhead * 1e6:.1f} us):")
   steps, priced = {}, []   # every model's plans, timed together
+  # The machine's level now against the table's: the reference step takes
+  # turns with the plans.
+  reference = table.machine.get("reference_step")
+  reference_step = calibrate.reference_step() if reference else None
   for text in specs:
     name, _, size = text.partition(":")
     ex = models.build(name, size=size or "small", seed=0)
@@ -220,16 +225,17 @@ def measured(specs):
           ex.train_step, plan=plan, input_signature=ex.train_signature,
           variable_names=names), inputs)
       priced.append((text, str(rank + 1) if rank < ranked else "-", est))
+    if reference:   # after each model's plans: the level at many moments of a round
+      steps[(REFERENCE, text)] = reference_step
   # All models' plans take turns in each round, so the rounds of one plan
   # spread over the whole run and a burst of other work on the machine
   # spoils one of its rounds rather than all of a model's; the median round
   # counts.
-  reference = table.machine.get("reference_step")
-  if reference:   # the machine's level now against the table's: takes turns too
-    steps[REFERENCE] = calibrate.reference_step()
   _, round_medians = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
                                          steps=FLAGS.steps, settle=FLAGS.settle)
-  level = statistics.median(round_medians[REFERENCE]) / reference if reference else 1.0
+  reference_rounds = [t for key, times in round_medians.items() if key[0] == REFERENCE
+                      for t in times]
+  level = statistics.median(reference_rounds) / reference if reference else 1.0
   rows, results = [], []
   for text, rank, est in priced:
     label = est.label()
@@ -238,12 +244,12 @@ def measured(specs):
                     "microbatches": est.candidate.microbatches,
                     "predicted": est.step_time, "measured": got, "level": level,
                     "round_medians": round_medians[(text, label)],
-                    "reference_rounds": round_medians.get(REFERENCE)})
+                    "reference_rounds": reference_rounds})
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
                  f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
   if reference:
     print(f"  machine level: the reference step takes {level:.2f} x its time in the "
-          f"table ({statistics.median(round_medians[REFERENCE]) * 1e3:.2f} against "
+          f"table ({statistics.median(reference_rounds) * 1e3:.2f} against "
           f"{reference * 1e3:.2f} ms)")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
                       "predicted/measured", "x level"], rows, "<<<>>>>", indent="  "))
@@ -251,7 +257,7 @@ def measured(specs):
     benchlib.print_result(results)
 
 
-REFERENCE = ("reference", "")   # the calibration's reference step among the timed steps
+REFERENCE = "reference"   # the calibration's reference step among the timed steps
 
 
 def mesh_candidates(text):
