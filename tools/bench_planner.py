@@ -30,10 +30,10 @@ common hand rule.
    graph being predicted would flatter the prediction); the cluster is the
    cpu-host preset with every device in one host. The table's reference
    step takes turns too, after each model's plans: its median time over
-   the table's is the machine's level
-   now against when it was calibrated (other work on a shared machine moves
-   it by a tenth or more between minutes), printed, and the "x level"
-   column is the prediction at this level over the measurement.
+   the table's is the machine's level now against when it was calibrated
+   (other work on a shared machine moves it by a tenth or more between
+   minutes), printed, and the "x level" column is the prediction at this
+   level over the measurement.
 
     python tools/bench_planner.py [--repeats 3] [--graph-blocks 96]
     python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small \
