@@ -13,7 +13,8 @@ CostModel turns that into time on a device of a ClusterSpec:
   collective     the alpha-beta time of tfsplit.cost.collectives
 
 A CostTable (written by `tfsplit calibrate`) holds times measured on a real
-machine. A measured entry for the node's op and shapes wins over the model;
+machine. A measured entry for the node's op and shapes (from a graph
+calibrated with the table) wins over the model;
 otherwise each op type's fitted line, a fixed time per call plus an
 efficiency factor times the roofline, corrects the roofline (Alpa's rule:
 measured costs override analytic ones). An op type whose cost per call
@@ -299,6 +300,10 @@ class CostTable:
     of one tensor sent to another logical device.
   concurrency_at / collective_at: the same measured over more devices
     ({devices: value}; see concurrency_for and collective_for).
+  machine: where it was measured (platform, cores, TensorFlow), and
+    'reference_step': seconds of calibrate.reference_step then, the
+    machine's level (a benchmark times it again to see how much faster or
+    slower the machine runs now).
   """
   entries: dict = dataclasses.field(default_factory=dict)
   op_factor: dict = dataclasses.field(default_factory=dict)
