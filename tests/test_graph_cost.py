@@ -186,7 +186,7 @@ def test_measured_costs_override_the_roofline(tmp_path):
     op_cost.CostTable.load(str(tmp_path / "bad.json"))
 
 
-def test_einsums_and_batched_matmuls_have_a_line_per_form():
+def test_einsums_batched_matmuls_and_transposes_have_a_line_per_form():
   g = tf.Graph()
   with g.as_default():
     x = tf.compat.v1.placeholder(tf.float32, [2, 8, 4, 4], name="x")
@@ -198,12 +198,15 @@ def test_einsums_and_batched_matmuls_have_a_line_per_form():
     y = tf.reshape(x, [2, 8, 16])
     matmul(x=y, y=m, name="by_matrix")
     matmul(x=y, y=y, adj_y=True, name="batched")
+    tf.transpose(x, [0, 2, 1, 3], name="heads")   # attention's head split
+    tf.transpose(m, name="matrix")
   graph = Graph(g.as_graph_def())
   shapes = infer_shapes(graph, [])
-  lines = {n: op_cost.node_cost(graph.node(n), shapes, graph).line
-           for n in ("dense", "attention", "by_matrix", "batched")}
+  names = ("dense", "attention", "by_matrix", "batched", "heads", "matrix")
+  lines = {n: op_cost.node_cost(graph.node(n), shapes, graph).line for n in names}
   assert lines == {"dense": "Einsum:dense", "attention": "Einsum",
-                   "by_matrix": "BatchMatMulV2:broadcast", "batched": "BatchMatMulV2"}
+                   "by_matrix": "BatchMatMulV2:broadcast", "batched": "BatchMatMulV2",
+                   "heads": "Transpose:nd", "matrix": "Transpose"}
   # A form the table has no line for takes its op type's (older tables).
   table = op_cost.CostTable(op_fixed={"Einsum": 1e-4, "Einsum:dense": 1e-6},
                             op_factor={"Einsum": 5.0})
@@ -252,6 +255,11 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   entries = saved["entries"]
   # The graph's own matmuls were measured, keyed by op, dtype and shapes.
   assert "MatMul|float32|[4,32],[32,32]|[4,32]|transpose_a=0,transpose_b=0" in entries
+  # Attention's head transposes have a line of their own (Eigen's generic
+  # shuffle costs several times a matrix transpose per call): its chain
+  # must keep its transposes, which Grappler cancels in pairs around a
+  # multiply.
+  assert saved["op_fixed"]["Transpose:nd"] > saved["op_fixed"]["Transpose"]
   # Only the graph's ops: the micro-benchmark's chains time each op alone,
   # below what it costs inside a step, so they only fit the lines.
   g = Graph(load_graph(graph))

@@ -20,7 +20,8 @@ efficiency factor times the roofline, corrects the roofline (Alpa's rule:
 measured costs override analytic ones). An op type whose cost per call
 depends on its form has a line per form (op_form: an einsum without batch
 labels runs as one MatMul, a batched one transposes its inputs; a batched
-matmul of a matrix by a batch of them is one MatMul over the rows). The
+matmul of a matrix by a batch of them is one MatMul over the rows; a
+transpose of more than two dimensions is Eigen's generic shuffle). The
 fixed part matters on CPUs:
 a small Transpose or BatchMatMul costs tens of microseconds whatever its
 size (kernel set-up, the intra-op thread pool), and it does not shrink when
@@ -176,9 +177,17 @@ def op_form(node, shapes):
   """The form of an op type whose cost per call differs by more than its
   sizes: an einsum without batch labels ('dense'), a batched matmul of a
   matrix by a batch of them ('broadcast': one MatMul over the rows, as
-  Keras' Dense on a sequence writes it); '' otherwise."""
+  Keras' Dense on a sequence writes it), a transpose of more than two
+  dimensions ('nd': attention's head split and merge; Eigen's generic
+  shuffle costs about 20 us a call on a small CPU where a matrix transpose
+  costs 5); '' otherwise."""
   if node.op == "Einsum" and "equation" in node.attr:
     return _einsum_form(node.attr["equation"].s.decode(errors="replace"))
+  if node.op == "Transpose":
+    data = [t for t in node.input if not t.startswith("^")]
+    info = shapes.get(data[0]) if data else None
+    if info is not None and info.shape is not None and len(info.shape) > 2:
+      return "nd"
   if node.op in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
     data = [t for t in node.input if not t.startswith("^")][:2]
     for t in data:
