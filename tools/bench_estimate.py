@@ -44,7 +44,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from absl import app
 from absl import flags
@@ -113,21 +112,6 @@ def measure_one(name, size, steps, with_time):
     peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
   out = {"model": f"{name}:{size}", "measured_peak": int(
       statistics.median(peaks)), "measured_peaks": peaks}
-  windows = {"measured_step": [], "function_step": []}
-
-  def time_window():
-    # The graph's own time: a call of its ConcreteFunction. A tf.function
-    # call adds Python dispatch (argument binding, trace-cache lookup) on
-    # top, which no graph estimate can see; it is printed beside it.
-    for key, fn in (("measured_step", ex.concrete("train")),
-                    ("function_step", ex.train_step)):
-      times = []
-      for _ in range(steps):
-        t0 = time.perf_counter()
-        fn(*inputs)
-        times.append(time.perf_counter() - t0)
-      windows[key].append(statistics.median(times))
-
   graph_def = load_graph(ex.concrete("train"))
   graph = Graph(graph_def)
   variables = find_variables(graph)
@@ -138,10 +122,22 @@ def measure_one(name, size, steps, with_time):
   out["estimated_peak"] = res.memory[0].peak
   out["memory"] = res.memory[0].as_dict()
   if with_time:
-    # Steps are timed in three windows, before, between and after the two
+    # The graph's own time: a call of its ConcreteFunction. A tf.function
+    # call adds Python dispatch (argument binding, trace-cache lookup) on
+    # top, which no graph estimate can see; it is printed beside it. Steps
+    # are timed in three windows, before, between and after the two
     # calibrations, and the median window counts: a burst of other work on
     # the machine spoils one window, not the figure.
     from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+    timed = {"measured_step": (ex.concrete("train"), inputs),
+             "function_step": (ex.train_step, inputs)}
+    windows = {key: [] for key in timed}
+
+    def time_window():
+      _, medians = benchlib.take_turns(timed, warmup=0, rounds=1, steps=steps)
+      for key, median in medians.items():
+        windows[key] += median
+
     time_window()
     for key, graphs in (("micro", []), ("calibrated", [graph_def])):
       table = calibrate.calibrate(graphs)

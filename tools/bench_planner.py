@@ -76,6 +76,8 @@ flags.DEFINE_bool("measure_only", False, "With --measure: skip the planning-time
 flags.DEFINE_string("calibration", "", "With --measure: the cost table to use (written "
                     "by the micro-benchmark when missing); default: measure one now.")
 
+REFERENCE = "reference"   # the calibration's reference step among the timed steps
+
 # (model, sizes for synthetic_gpt)
 MODELS = {
     "GPT 1.3B": dict(blocks=24, hidden=2048, heads=16, seq_len=2048, batch=256),
@@ -235,7 +237,8 @@ def measured(specs):
                                          steps=FLAGS.steps, settle=FLAGS.settle)
   reference_rounds = [t for key, times in round_medians.items() if key[0] == REFERENCE
                       for t in times]
-  level = statistics.median(reference_rounds) / reference if reference else 1.0
+  reference_now = statistics.median(reference_rounds) if reference else None
+  level = reference_now / reference if reference else 1.0
   rows, results = [], []
   for text, rank, est in priced:
     label = est.label()
@@ -249,15 +252,12 @@ def measured(specs):
                  f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
   if reference:
     print(f"  machine level: the reference step takes {level:.2f} x its time in the "
-          f"table ({statistics.median(reference_rounds) * 1e3:.2f} against "
+          f"table ({reference_now * 1e3:.2f} against "
           f"{reference * 1e3:.2f} ms)")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
                       "predicted/measured", "x level"], rows, "<<<>>>>", indent="  "))
   if FLAGS.measure_only:
     benchlib.print_result(results)
-
-
-REFERENCE = "reference"   # the calibration's reference step among the timed steps
 
 
 def mesh_candidates(text):

@@ -173,24 +173,22 @@ def _einsum_form(equation):
   return "" if batch - {"."} or "..." in output else "dense"
 
 
-def op_form(node, shapes):
+def op_form(node, shapes, data):
   """The form of an op type whose cost per call differs by more than its
   sizes: an einsum without batch labels ('dense'), a batched matmul of a
   matrix by a batch of them ('broadcast': one MatMul over the rows, as
   Keras' Dense on a sequence writes it), a transpose of more than two
   dimensions ('nd': attention's head split and merge; Eigen's generic
   shuffle costs about 20 us a call on a small CPU where a matrix transpose
-  costs 5); '' otherwise."""
+  costs 5); '' otherwise. data: the node's data inputs."""
   if node.op == "Einsum" and "equation" in node.attr:
     return _einsum_form(node.attr["equation"].s.decode(errors="replace"))
   if node.op == "Transpose":
-    data = [t for t in node.input if not t.startswith("^")]
     info = shapes.get(data[0]) if data else None
     if info is not None and info.shape is not None and len(info.shape) > 2:
       return "nd"
   if node.op in ("BatchMatMul", "BatchMatMulV2", "BatchMatMulV3"):
-    data = [t for t in node.input if not t.startswith("^")][:2]
-    for t in data:
+    for t in data[:2]:
       info = shapes.get(t)
       if info is not None and info.shape is not None and len(info.shape) == 2:
         return "broadcast"
@@ -239,7 +237,7 @@ def node_cost(node, shapes, graph=None):
     # Only the gathered rows are read, not the whole table.
     read = written + (_tensor_bytes(shapes, data[1]) if len(data) > 1 else 0)
   return NodeCost(node.name, op, flops, read, written, dtype,
-                  form=op_form(node, shapes))
+                  form=op_form(node, shapes, data))
 
 
 def _shape_text(info):
