@@ -1,7 +1,6 @@
 """Per-op cost, graph simulation, calibration and estimates against measurements."""
 import json
 import os
-import time
 
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from tfsplit.cost import op_cost
 from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
 from tfsplit.errors import CostTableError, PlanError
 from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph
+from tfsplit.runtime import timing
 
 import bench_estimate  # tools/, on sys.path (see conftest.py)
 
@@ -268,15 +268,10 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   # The reference step's time is this machine's level: timed again now, in
   # the same process, it takes about what the table says.
   from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
-  fn, args = calibrate.reference_step()
-  fn(*args)
-  times = []
-  for _ in range(9):
-    t0 = time.perf_counter()
-    np.asarray(fn(*args))
-    times.append(time.perf_counter() - t0)
-  level = sorted(times)[4] / saved["machine"]["reference_step"]
-  assert 0.5 < level < 2.0, (times, saved["machine"]["reference_step"])
+  now = timing.median_of_rounds({"reference": calibrate.reference_step()},
+                                warmup=5, rounds=3, steps=3)["reference"]
+  level = now / saved["machine"]["reference_step"]
+  assert 0.5 < level < 2.0, (now, saved["machine"]["reference_step"])
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
               "--trace", trace, "--format", "json"]) == 0

@@ -17,6 +17,11 @@ for _path in (ROOT, os.path.join(ROOT, "examples")):
   if _path not in sys.path:
     sys.path.insert(0, _path)
 
+# Steps are timed in turns as calibration times its own (one home for it).
+from tfsplit.runtime import timing  # noqa: E402  pylint: disable=wrong-import-position
+
+take_turns = timing.take_turns
+
 
 def define_example_flags(size, what="examples/models name"):
   """--model and --size: which example of examples/models a benchmark builds."""
@@ -164,36 +169,6 @@ def logical_devices(device_type, count, gpu_memory_mb=None):
   tf.config.set_logical_device_configuration(
       physical[0], [tf.config.LogicalDeviceConfiguration(**extra)] * count)
   return [d.name for d in tf.config.list_logical_devices(device_type)]
-
-
-def _timed_step(fn, args):
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  t0 = time.perf_counter()
-  np.asarray(fn(*args))
-  return time.perf_counter() - t0
-
-
-def take_turns(steps_by_name, warmup, rounds, steps, settle=0):
-  """Times each {name: (fn, args)} step: `warmup` unmeasured calls each,
-  then `rounds` rounds of `steps` calls, the steps taking turns within a
-  round so load from other processes spreads over all of them. With
-  `settle`, each turn starts with that many unmeasured calls: a small step
-  timed right after a larger one otherwise pays for the switch (caches and
-  the intra-op threads' state are the other step's). Returns
-  {name: [seconds per call]} and {name: [median seconds per round]}."""
-  for fn, args in steps_by_name.values():
-    for _ in range(warmup):
-      _timed_step(fn, args)
-  samples = {name: [] for name in steps_by_name}
-  round_medians = {name: [] for name in steps_by_name}
-  for _ in range(rounds):
-    for name, (fn, args) in steps_by_name.items():
-      for _ in range(settle):
-        _timed_step(fn, args)
-      times = [_timed_step(fn, args) for _ in range(steps)]
-      samples[name] += times
-      round_medians[name].append(statistics.median(times))
-  return samples, round_medians
 
 
 def percentile(values, q):

@@ -32,7 +32,8 @@ graph to be predicted:
 - chains over two and four logical CPUs: how much of their work overlaps
   (`concurrency`: 1 where they share the cores), and the fixed cost of one
   collective over them all; between two, of one cross-device transfer.
-Untraced times are medians over repeated runs, as a step is timed. Traced
+Untraced times are medians over rounds of repeated runs, as a step is
+timed; the training steps take turns in the rounds. Traced
 op times are each node's fastest run: other work on the machine adds the
 most to the ops that hand work to the intra-op threads (their wake-ups wait
 for the cores), which would skew one op type against another; the level
@@ -54,6 +55,7 @@ from tfsplit.errors import CalibrationError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph
 from tfsplit.graph.shapes import infer_shapes
+from tfsplit.runtime import timing
 
 _MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
 _ELEMENT_SIZES = (64, 1024, 16384, 262144)
@@ -67,6 +69,9 @@ _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are mea
 _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
                    (4, 24, 1, 96), (2, 48, 1, 160))
 _REFERENCE = 2   # the training step whose time is the machine's level (reference_step)
+# Untraced steps: calls before timing, rounds, and calls before each turn's
+# timed ones (tfsplit.runtime.timing).
+_WARMUP, _ROUNDS, _SETTLE = 5, 5, 2
 # (batch x heads, sequence, head size) of attention's batched matmuls, and
 # (rows, features) of the row-wise ops: around the example models' sizes.
 _ATTENTION_SIZES = ((8, 32, 16), (32, 32, 16), (32, 64, 32))
@@ -172,27 +177,39 @@ def _function_step_time(graph_def, graph, repeats, seed):
   """Median seconds of calling `graph_def` as a TF2 function, untraced.
 
   Timed the way a user runs a training step (an eager call of a function,
-  which costs more per call than Session.run), on fresh variables.
+  which costs more per call than Session.run), on fresh variables, in
+  rounds (timing.median_of_rounds).
   """
-  fn, args = _function_and_args(graph_def, graph, seed)
-  for _ in range(2):
-    fn(*args)
-  steps = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    fn(*args)
-    steps.append(time.perf_counter() - t0)
-  return statistics.median(steps)
+  return _steps_time({0: _function_and_args(graph_def, graph, seed)}, repeats)[0]
+
+
+def _steps_time(steps_by_key, repeats):
+  """{key: median seconds of a call} of {key: (fn, args)} functions timed in
+  turns: _ROUNDS rounds of `repeats` calls each, after _WARMUP calls (a
+  function's first calls run slower: Grappler, kernels, the allocator's
+  first sizes) and _SETTLE calls per turn. Steps timed one after the other
+  moved by a sixth between two calibrations a minute apart; in turns, a
+  burst of other work falls on all of them."""
+  return timing.median_of_rounds(steps_by_key, warmup=_WARMUP, rounds=_ROUNDS,
+                                 steps=repeats, settle=_SETTLE)
 
 
 def profile_graph(graph_def, repeats=10, traced=5, seed=0):
   """Runs `graph_def`; returns its Profile.
 
-  `repeats` untraced calls of the graph as a function give the step time
-  (median); `traced` FULL_TRACE Session runs the per-node kernel times.
-  Variables are fresh (small random values).
+  `repeats` untraced calls of the graph as a function in each of _ROUNDS
+  rounds give the step time (median); `traced` FULL_TRACE Session runs the
+  per-node kernel times. Variables are fresh (small random values).
   """
   graph = Graph(graph_def)
+  node_times, traced_sum = _trace_graph(graph_def, graph, traced, seed)
+  return Profile(node_times, _function_step_time(graph_def, graph, repeats, seed),
+                 traced_sum)
+
+
+def _trace_graph(graph_def, graph, traced, seed):
+  """({node: [kernel seconds per traced run]}, median summed kernel
+  seconds of a run) of `traced` FULL_TRACE Session runs."""
   rng = np.random.default_rng(seed)
   tf_graph, fetches, feeds, init = _session_graph(graph_def, graph, rng)
   names = set(graph.node_names())
@@ -215,8 +232,7 @@ def profile_graph(graph_def, repeats=10, traced=5, seed=0):
           if stats.node_name in names:
             node_times[stats.node_name].append(seconds)
       sums.append(total)
-  step = _function_step_time(graph_def, graph, repeats, seed)
-  return Profile(dict(node_times), step, statistics.median(sums))
+  return dict(node_times), statistics.median(sums)
 
 
 def entries_from_profile(graph, shapes, profile):
@@ -443,17 +459,24 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
 
 def training_steps(repeats, traced, say=None):
   """[(graph, shapes, Profile)] of the small training steps of
-  _TRAINING_STEPS, each run (untraced and traced) by profile_graph."""
-  out = []
+  _TRAINING_STEPS: each traced alone, then all of them untraced, in turns
+  (_steps_time), so that the level of their times (graph_scale, the
+  reference step) is one moment's."""
+  graphs, traces, functions = [], [], {}
   for k, (blocks, batch, seq, hidden) in enumerate(_TRAINING_STEPS):
     if say:
       say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}")
     # Each style of block at several sizes.
     graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k)
     graph = Graph(graph_def)
-    out.append((graph, infer_shapes(graph, []),
-                profile_graph(graph_def, repeats=2 * repeats, traced=traced)))
-  return out
+    graphs.append(graph)
+    traces.append(_trace_graph(graph_def, graph, traced, 0))
+    functions[k] = _function_and_args(graph_def, graph, 0)
+  if say:
+    say(f"training steps, untraced: {_ROUNDS} rounds in turns")
+  seconds = _steps_time(functions, repeats)
+  return [(graph, infer_shapes(graph, []), Profile(node_times, seconds[k], traced_sum))
+          for k, (graph, (node_times, traced_sum)) in enumerate(zip(graphs, traces))]
 
 
 def reference_step():

@@ -1,0 +1,53 @@
+"""Timing steps on a machine shared with other work.
+
+A step's time moves with whatever else the machine runs: a burst of other
+work lasting a second shifts every call timed in that second. Timing steps
+in turns (each step a few calls, round after round) spreads such bursts
+over all of them, and the median of the rounds' medians drops the rounds a
+burst hit. Calibration (tfsplit.cost.calibrate) and the benchmarks in
+tools/ time steps this way.
+"""
+import statistics
+import time
+
+import numpy as np
+
+
+def timed_call(fn, args):
+  """Seconds of one call fn(*args), its first output read back (a
+  function's outputs: a tensor, or a list or tuple of them)."""
+  t0 = time.perf_counter()
+  out = fn(*args)
+  while isinstance(out, (list, tuple)) and out:
+    out = out[0]
+  np.asarray(out)
+  return time.perf_counter() - t0
+
+
+def take_turns(steps_by_name, warmup, rounds, steps, settle=0):
+  """Times each {name: (fn, args)} step: `warmup` unmeasured calls each,
+  then `rounds` rounds of `steps` calls, the steps taking turns within a
+  round so load from other processes spreads over all of them. With
+  `settle`, each turn starts with that many unmeasured calls: a small step
+  timed right after a larger one otherwise pays for the switch (caches and
+  the intra-op threads' state are the other step's). Returns
+  {name: [seconds per call]} and {name: [median seconds per round]}."""
+  for fn, args in steps_by_name.values():
+    for _ in range(warmup):
+      timed_call(fn, args)
+  samples = {name: [] for name in steps_by_name}
+  round_medians = {name: [] for name in steps_by_name}
+  for _ in range(rounds):
+    for name, (fn, args) in steps_by_name.items():
+      for _ in range(settle):
+        timed_call(fn, args)
+      times = [timed_call(fn, args) for _ in range(steps)]
+      samples[name] += times
+      round_medians[name].append(statistics.median(times))
+  return samples, round_medians
+
+
+def median_of_rounds(steps_by_name, warmup, rounds, steps, settle=0):
+  """{name: seconds}: each step's median round, timed by take_turns."""
+  _, round_medians = take_turns(steps_by_name, warmup, rounds, steps, settle)
+  return {name: statistics.median(r) for name, r in round_medians.items()}
