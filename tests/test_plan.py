@@ -505,12 +505,15 @@ def _write_plan(tmp_path, **changes):
     ({"replicate": ["gpt/block_9"]}, ["field 'replicate' lists \"gpt/block_9\""]),
     ({"offload": "activations"}, ["field 'offload' is 'activations'"]),
     ({"memory_reserve": 1.5}, ["field 'memory_reserve'", "in [0, 1)"]),
+    ({"mesh": None}, ["missing field 'mesh'"]),
+    ({"mesh": "dp=x"}, ["field 'mesh': cannot read mesh 'dp=x'"]),
 ])
 def test_rewrite_refuses_a_bad_plan(changes, needles, tmp_path, capsys):
   path = _write_plan(tmp_path, **changes)
   out = tmp_path / "out.pb"
   code, text, err = _cli(["rewrite", _graph("gpt_raw"), "--plan", path, "-o", out], capsys)
   _one_line_error(code, text, err, "rewrite", *needles)
+  assert err.count(str(path)) <= 1, err   # the plan is named once
   assert not out.exists()
 
 

@@ -218,9 +218,10 @@ def from_json(obj, source="plan"):
   layers = _field(obj, "layers", source, list)
   if not layers or not all(isinstance(l, str) for l in layers):
     raise PlanError(f"plan '{source}': field 'layers' must be a non-empty list of layer names")
+  text = _field(obj, "mesh", source, str)
   try:
     from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
-    mesh = Mesh.parse(_field(obj, "mesh", source, str))
+    mesh = Mesh.parse(text)
   except TfsplitError as e:
     raise PlanError(f"plan '{source}': field 'mesh': {e}") from None
   unknown = [a for a in mesh.axes if a not in ("pp", "dp", "tp")]
