@@ -656,19 +656,22 @@ def test_plan_json_format_is_the_plan_file(tmp_path, capsys):
 # --- the objective against measured steps ------------------------------------------------
 @pytest.mark.slow
 def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
-  # In its own process (its own runtime, 4 logical CPUs), costs from the
-  # micro-benchmarks alone: the medians of interleaved rounds of steps of
-  # each split against the planner's price for it.
+  # In fresh processes (each its own runtime, 4 logical CPUs, and its own
+  # calibration), costs from the micro-benchmarks alone: the medians of
+  # interleaved rounds of steps of each split against the planner's price
+  # for it, at the machine's level while the steps ran (the calibration's
+  # reference step, timed in the same rounds, against its calibrated time).
+  # A step's time moves by up to a tenth between processes (one step up,
+  # another down): the median over three processes counts.
   import benchlib  # pylint: disable=import-outside-toplevel
   meshes = ["dp=2", "tp=2", "pp=2 m=2"]
   rows = benchlib.run_script(
       os.path.join(_ROOT, "tools", "bench_planner.py"),
       ["--measure", "gpt_raw:small", "--meshes", ";".join(meshes), "--top", "0",
-       "--rounds", "5", "--steps", "10", "--measure_only"], timeout=900)
+       "--rounds", "5", "--steps", "10", "--processes", "3", "--measure_only"],
+      timeout=1800)
   got = {(r["mesh"], r["microbatches"]): r for r in rows}
   for text in meshes:
     mesh, _, m = text.partition(" m=")
     r = got[(mesh, int(m or 1))]
-    # At the machine's level while the steps ran (the calibration's
-    # reference step, timed in the same rounds, against its calibrated time).
-    assert r["predicted"] * r["level"] == pytest.approx(r["measured"], rel=0.25), r
+    assert len(r["ratios"]) == 3 and r["ratio"] == pytest.approx(1.0, rel=0.25), r

@@ -33,11 +33,14 @@ common hand rule.
    the table's is the machine's level now against when it was calibrated
    (other work on a shared machine moves it by a tenth or more between
    minutes), printed, and the "x level" column is the prediction at this
-   level over the measurement.
+   level over the measurement. With --processes K, all of that runs in K
+   fresh processes one after the other (each calibrating its own table
+   unless --calibration names one) and each plan's median ratio counts:
+   a step's time moves by up to a tenth between processes.
 
     python tools/bench_planner.py [--repeats 3] [--graph-blocks 96]
     python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small \
-        --meshes "dp=2;tp=2;dp=2,tp=2;pp=2 m=1;pp=2 m=2;pp=2 m=4"
+        --meshes "dp=2;tp=2;dp=2,tp=2;pp=2 m=1;pp=2 m=2;pp=2 m=4" [--processes 3]
 
    --meshes adds fixed candidates to the planner's best (each with the
    planner's cut); --calibration FILE reuses (or writes) the table, so that
@@ -75,6 +78,10 @@ flags.DEFINE_bool("measure_only", False, "With --measure: skip the planning-time
                   "hand-rule parts, and print the rows as a result line (tests read it).")
 flags.DEFINE_string("calibration", "", "With --measure: the cost table to use (written "
                     "by the micro-benchmark when missing); default: measure one now.")
+flags.DEFINE_integer("processes", 1, "With --measure: measure in this many fresh "
+                     "processes, one after the other, and take each plan's median "
+                     "ratio (a step's time moves by a tenth between processes).",
+                     lower_bound=1)
 
 REFERENCE = "reference"   # the calibration's reference step among the timed steps
 
@@ -246,6 +253,7 @@ def measured(specs):
     results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
                     "microbatches": est.candidate.microbatches,
                     "predicted": est.step_time, "measured": got, "level": level,
+                    "ratio": est.step_time * level / got,
                     "round_medians": round_medians[(text, label)],
                     "reference_rounds": reference_rounds})
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
@@ -256,6 +264,46 @@ def measured(specs):
           f"{reference * 1e3:.2f} ms)")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
                       "predicted/measured", "x level"], rows, "<<<>>>>", indent="  "))
+  if FLAGS.measure_only:
+    benchlib.print_result(results)
+
+
+def measured_in_processes(specs):
+  """measured() in --processes fresh processes, one after the other. Each
+  has its own runtime, allocators and threads, and its own luck: the same
+  step's median moved by up to a tenth between processes on a shared 2-core
+  machine, one step faster in one process and another in the next. Without
+  --calibration each process also calibrates its own table, so the
+  calibration's own noise is sampled too. A plan's row is its median ratio
+  (predicted at the process's level over measured) over the processes."""
+  import statistics  # pylint: disable=import-outside-toplevel
+  args = ["--measure", ",".join(specs), "--devices", str(FLAGS.devices),
+          "--top", str(FLAGS.top), "--steps", str(FLAGS.steps),
+          "--rounds", str(FLAGS.rounds), "--settle", str(FLAGS.settle),
+          "--meshes", FLAGS.meshes, "--measure_only", "--processes", "1"]
+  if FLAGS.calibration:   # the first process writes it when missing
+    args += ["--calibration", FLAGS.calibration]
+  by_cell = {}
+  for k in range(FLAGS.processes):
+    print(f"\nprocess {k + 1}/{FLAGS.processes}:", flush=True)
+    for r in benchlib.run_script(__file__, args, timeout=1800):
+      by_cell.setdefault((r["model"], r["plan"]), []).append(r)
+  rows, results = [], []
+  for (model, label), runs in by_cell.items():
+    ratios = [r["ratio"] for r in runs]
+    first = runs[0]
+    results.append({**{key: first[key] for key in ("model", "plan", "mesh", "microbatches")},
+                    "predicted": statistics.median(r["predicted"] for r in runs),
+                    "measured": statistics.median(r["measured"] for r in runs),
+                    "level": statistics.median(r["level"] for r in runs),
+                    "ratio": statistics.median(ratios), "ratios": ratios})
+    rows.append([model, label, f"{results[-1]['predicted'] * 1e3:.3g}",
+                 f"{results[-1]['measured'] * 1e3:.3g}", " ".join(f"{x:.2f}" for x in ratios),
+                 f"{results[-1]['ratio']:.2f}"])
+  print(f"\nmedian over {FLAGS.processes} processes (x level: predicted at each "
+        "process's level over measured):")
+  print(format_table(["model", "plan", "predicted ms", "measured ms", "x level per process",
+                      "median"], rows, "<<>>>>", indent="  "))
   if FLAGS.measure_only:
     benchlib.print_result(results)
 
@@ -275,7 +323,11 @@ def mesh_candidates(text):
 
 def main(argv):
   del argv
-  if FLAGS.measure:  # first: logical devices must be set before TF starts
+  if FLAGS.measure and FLAGS.processes > 1:
+    measured_in_processes(FLAGS.measure)
+    if FLAGS.measure_only:
+      return
+  elif FLAGS.measure:  # first: logical devices must be set before TF starts
     measured(FLAGS.measure)
     if FLAGS.measure_only:
       return
