@@ -272,6 +272,10 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
                                 warmup=5, rounds=3, steps=3)["reference"]
   level = now / saved["machine"]["reference_step"]
   assert 0.5 < level < 2.0, (now, saved["machine"]["reference_step"])
+  # Every synthetic step's time is kept, the reference's among them.
+  steps = saved["machine"]["training_steps"]
+  assert len(steps) == len(calibrate._TRAINING_STEPS)  # pylint: disable=protected-access
+  assert steps[calibrate._REFERENCE] == saved["machine"]["reference_step"]  # pylint: disable=protected-access
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
               "--trace", trace, "--format", "json"]) == 0

@@ -764,6 +764,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # (fixed + factor * roofline) carry over to other shapes.
   steps = training_steps(repeats, traced, say)
   table.machine["reference_step"] = steps[_REFERENCE][2].step_time
+  table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
   points = in_step_points(steps)
   in_step = {op for op, _, _ in points.values()}
   fit = {sig: (op, model.roofline(cost), table.entries[sig])
