@@ -186,10 +186,10 @@ def _function_step_time(graph_def, graph, repeats, seed):
 def _steps_time(steps_by_key, repeats):
   """{key: median seconds of a call} of {key: (fn, args)} functions timed in
   turns: _ROUNDS rounds of `repeats` calls each, after _WARMUP calls (a
-  function's first calls run slower: Grappler, kernels, the allocator's
-  first sizes) and _SETTLE calls per turn. Steps timed one after the other
-  moved by a sixth between two calibrations a minute apart; in turns, a
-  burst of other work falls on all of them."""
+  function's first calls run slower: the reference step's first calls
+  after tracing took 20, 16, 16 and 16 ms, then 14) and _SETTLE calls per
+  turn. In turns, a burst of other work lands on all the steps rather
+  than on one, whose time alone would then move graph_scale."""
   return timing.median_of_rounds(steps_by_key, warmup=_WARMUP, rounds=_ROUNDS,
                                  steps=repeats, settle=_SETTLE)
 
