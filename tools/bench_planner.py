@@ -47,6 +47,7 @@ common hand rule.
    several runs share one calibration.
 """
 import os
+import statistics
 import time
 
 from absl import app
@@ -179,7 +180,6 @@ def versus_hand_rule():
 
 def measured(specs):
   """Predicted against measured step time of the planner's plans on logical CPUs."""
-  import statistics  # pylint: disable=import-outside-toplevel
   devices = FLAGS.devices
   benchlib.logical_devices("CPU", devices)  # before TensorFlow's runtime starts
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -276,7 +276,6 @@ def measured_in_processes(specs):
   --calibration each process also calibrates its own table, so the
   calibration's own noise is sampled too. A plan's row is its median ratio
   (predicted at the process's level over measured) over the processes."""
-  import statistics  # pylint: disable=import-outside-toplevel
   args = ["--measure", ",".join(specs), "--devices", str(FLAGS.devices),
           "--top", str(FLAGS.top), "--steps", str(FLAGS.steps),
           "--rounds", str(FLAGS.rounds), "--settle", str(FLAGS.settle),
@@ -290,16 +289,13 @@ def measured_in_processes(specs):
       by_cell.setdefault((r["model"], r["plan"]), []).append(r)
   rows, results = [], []
   for (model, label), runs in by_cell.items():
-    ratios = [r["ratio"] for r in runs]
-    first = runs[0]
-    results.append({**{key: first[key] for key in ("model", "plan", "mesh", "microbatches")},
-                    "predicted": statistics.median(r["predicted"] for r in runs),
-                    "measured": statistics.median(r["measured"] for r in runs),
-                    "level": statistics.median(r["level"] for r in runs),
-                    "ratio": statistics.median(ratios), "ratios": ratios})
-    rows.append([model, label, f"{results[-1]['predicted'] * 1e3:.3g}",
-                 f"{results[-1]['measured'] * 1e3:.3g}", " ".join(f"{x:.2f}" for x in ratios),
-                 f"{results[-1]['ratio']:.2f}"])
+    row = {key: runs[0][key] for key in ("model", "plan", "mesh", "microbatches")}
+    row.update({key: statistics.median(r[key] for r in runs)
+                for key in ("predicted", "measured", "level", "ratio")})
+    row["ratios"] = [r["ratio"] for r in runs]
+    results.append(row)
+    rows.append([model, label, f"{row['predicted'] * 1e3:.3g}", f"{row['measured'] * 1e3:.3g}",
+                 " ".join(f"{x:.2f}" for x in row["ratios"]), f"{row['ratio']:.2f}"])
   print(f"\nmedian over {FLAGS.processes} processes (x level: predicted at each "
         "process's level over measured):")
   print(format_table(["model", "plan", "predicted ms", "measured ms", "x level per process",
@@ -323,12 +319,8 @@ def mesh_candidates(text):
 
 def main(argv):
   del argv
-  if FLAGS.measure and FLAGS.processes > 1:
-    measured_in_processes(FLAGS.measure)
-    if FLAGS.measure_only:
-      return
-  elif FLAGS.measure:  # first: logical devices must be set before TF starts
-    measured(FLAGS.measure)
+  if FLAGS.measure:  # first: logical devices must be set before TF starts
+    (measured_in_processes if FLAGS.processes > 1 else measured)(FLAGS.measure)
     if FLAGS.measure_only:
       return
   timing()

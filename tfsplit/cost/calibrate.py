@@ -466,9 +466,7 @@ def training_steps(repeats, traced, say=None):
   for k, (blocks, batch, seq, hidden) in enumerate(_TRAINING_STEPS):
     if say:
       say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}")
-    # Each style of block at several sizes.
-    graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k)
-    graph = Graph(graph_def)
+    graph_def, graph = _training_step(k)
     graphs.append(graph)
     traces.append(_trace_graph(graph_def, graph, traced, 0))
     functions[k] = _function_and_args(graph_def, graph, 0)
@@ -479,20 +477,23 @@ def training_steps(repeats, traced, say=None):
           for k, (graph, (node_times, traced_sum)) in enumerate(zip(graphs, traces))]
 
 
+def _training_step(k):
+  """(GraphDef, Graph) of _TRAINING_STEPS[k]: each style of block (the
+  first block's style is k's) at several sizes."""
+  blocks, batch, seq, hidden = _TRAINING_STEPS[k]
+  graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k)
+  return graph_def, Graph(graph_def)
+
+
 def reference_step():
   """(fn, args): the reference training step, one of the calibration's
   small training steps, whose untraced time `calibrate` keeps in the table
-  (CostTable.machine['reference_step']). Timed again beside other work, its
-  time over the table's says how much slower or faster the machine runs
-  now than when the table was measured: a benchmark that judges
-  predictions priced by an older table divides that out."""
-  blocks, batch, seq, hidden = _TRAINING_STEPS[_REFERENCE]
-  graph_def = _training_graph(blocks, batch, seq, hidden, first_style=_REFERENCE)
-  fn, args = _function_and_args(graph_def, Graph(graph_def), 0)
-
-  def step(*inputs):   # a call runs the whole step; one output to read back
-    return fn(*inputs)[0]
-  return step, args
+  (CostTable.machine['reference_step']). Timed again beside other work
+  (tfsplit.runtime.timing), its time over the table's says how much slower
+  or faster the machine runs now than when the table was measured: a
+  benchmark that judges predictions priced by an older table divides that
+  out."""
+  return _function_and_args(*_training_step(_REFERENCE), 0)
 
 
 def in_step_points(steps):
