@@ -276,6 +276,9 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   steps = saved["machine"]["training_steps"]
   assert len(steps) == len(calibrate._TRAINING_STEPS)  # pylint: disable=protected-access
   assert steps[calibrate._REFERENCE] == saved["machine"]["reference_step"]  # pylint: disable=protected-access
+  # The launch cost of a step (a 2-op function call, timed in the same
+  # turns as the steps) is part of every step: below the smallest.
+  assert 0 < saved["step_overhead"] < min(steps), (saved["step_overhead"], steps)
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
               "--trace", trace, "--format", "json"]) == 0

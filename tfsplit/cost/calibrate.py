@@ -33,7 +33,8 @@ graph to be predicted:
   (`concurrency`: 1 where they share the cores), and the fixed cost of one
   collective over them all; between two, of one cross-device transfer.
 Untraced times are medians over rounds of repeated runs, as a step is
-timed; the training steps take turns in the rounds. Traced
+timed; the training steps take turns in the rounds, with the call of a
+2-op function that is a step's launch cost. Traced
 op times are each node's fastest run: other work on the machine adds the
 most to the ops that hand work to the intra-op threads (their wake-ups wait
 for the cores), which would skew one op type against another; the level
@@ -457,12 +458,13 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
   return g.as_graph_def()
 
 
-def training_steps(repeats, traced, say=None):
-  """[(graph, shapes, Profile)] of the small training steps of
-  _TRAINING_STEPS: each traced alone, then all of them untraced, in turns
-  (_steps_time), so that the level of their times (graph_scale, the
-  reference step) is one moment's."""
-  graphs, traces, functions = [], [], {}
+def training_steps(repeats, traced, say=None, beside=None):
+  """([(graph, shapes, Profile)], {key: seconds}): the small training steps
+  of _TRAINING_STEPS, each traced alone, then all of them untraced, in
+  turns (_steps_time), so that the level of their times (graph_scale, the
+  reference step) is one moment's; and the median call of each
+  {key: (fn, args)} of `beside`, timed in the same turns."""
+  graphs, traces, functions = [], [], dict(beside or {})
   for k, (blocks, batch, seq, hidden) in enumerate(_TRAINING_STEPS):
     if say:
       say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}")
@@ -473,8 +475,9 @@ def training_steps(repeats, traced, say=None):
   if say:
     say(f"training steps, untraced: {_ROUNDS} rounds in turns")
   seconds = _steps_time(functions, repeats)
-  return [(graph, infer_shapes(graph, []), Profile(node_times, seconds[k], traced_sum))
-          for k, (graph, (node_times, traced_sum)) in enumerate(zip(graphs, traces))]
+  steps = [(graph, infer_shapes(graph, []), Profile(node_times, seconds[k], traced_sum))
+           for k, (graph, (node_times, traced_sum)) in enumerate(zip(graphs, traces))]
+  return steps, {key: seconds[key] for key in beside or {}}
 
 
 def _training_step(k):
@@ -712,10 +715,6 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table = op_cost.CostTable(machine=machine_info())
   table.time_scale, table.op_overhead, table.step_overhead = \
       fit_step_model(runs)
-  # The launch cost of a step, measured directly (a call of a 2-op graph):
-  # the intercept of the chains' fit swings by milliseconds with the noise.
-  launch = _dispatch_graph(2)
-  table.step_overhead = _function_step_time(launch, Graph(launch), 3 * repeats, 0)
   say("logical devices: concurrency, collectives, transfers")
   concurrency, collective, table.transfer_overhead = device_benchmark(repeats)
   table.concurrency, table.collective_overhead = concurrency.pop(2), collective.pop(2)
@@ -763,7 +762,15 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # small training steps run are fitted on their times there, the others
   # on the chains. The steps' entries stay out of the table: only the lines
   # (fixed + factor * roofline) carry over to other shapes.
-  steps = training_steps(repeats, traced, say)
+  # The launch cost of a step, measured directly (a call of a 2-op graph;
+  # the intercept of the chains' fit swings by milliseconds with the noise),
+  # in turns with the training steps: timed alone, at another moment, it
+  # came out at 78-150 us in five calibrations, and a small MLP's step
+  # (0.4 ms) is a third launch.
+  launch = _dispatch_graph(2)
+  steps, beside = training_steps(
+      repeats, traced, say, beside={"launch": _function_and_args(launch, Graph(launch), 0)})
+  table.step_overhead = beside["launch"]
   table.machine["reference_step"] = steps[_REFERENCE][2].step_time
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
   points = in_step_points(steps)
