@@ -1,6 +1,7 @@
 """Per-op cost, graph simulation, calibration and estimates against measurements."""
 import json
 import os
+import statistics
 
 import numpy as np
 import pytest
@@ -265,17 +266,18 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   g = Graph(load_graph(graph))
   g_shapes = infer_shapes(g)
   assert set(entries) <= {op_cost.signature(n, g_shapes) for n in g.nodes}
-  # The reference step's time is this machine's level: timed again now, in
-  # the same process, it takes about what the table says.
+  # The small training steps' times are this machine's level: timed again
+  # now, in the same process, each takes about what the table says, and
+  # the level is the median of those ratios.
   from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
-  now = timing.median_of_rounds({"reference": calibrate.reference_step()},
-                                warmup=5, rounds=3, steps=3)["reference"]
-  level = now / saved["machine"]["reference_step"]
-  assert 0.5 < level < 2.0, (now, saved["machine"]["reference_step"])
-  # Every synthetic step's time is kept, the reference's among them.
   steps = saved["machine"]["training_steps"]
   assert len(steps) == len(calibrate._TRAINING_STEPS)  # pylint: disable=protected-access
-  assert steps[calibrate._REFERENCE] == saved["machine"]["reference_step"]  # pylint: disable=protected-access
+  now = timing.median_of_rounds(calibrate.level_steps(), warmup=5, rounds=3, steps=3)
+  ratios = sorted(now[k] / steps[k] for k in now)
+  assert 0.5 < ratios[0] and ratios[-1] < 2.0, (now, steps)
+  level = calibrate.machine_level(op_cost.CostTable.load(table), now)
+  assert level == statistics.median(ratios)
+  assert calibrate.machine_level(op_cost.CostTable.load(table), {}) is None
   # The launch cost of a step (a 2-op function call, timed in the same
   # turns as the steps) is part of every step: below the smallest.
   assert 0 < saved["step_overhead"] < min(steps), (saved["step_overhead"], steps)

@@ -660,7 +660,8 @@ def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
   # calibration), costs from the micro-benchmarks alone: the medians of
   # interleaved rounds of steps of each split against the planner's price
   # for it, at the machine's level while the steps ran (the calibration's
-  # reference step, timed in the same rounds, against its calibrated time).
+  # small training steps, timed in the same rounds, against their
+  # calibrated times: the median of the six ratios).
   # A step's time moves by up to a tenth between processes (one step up,
   # another down): the median over three processes counts.
   import benchlib  # pylint: disable=import-outside-toplevel

@@ -28,12 +28,13 @@ common hand rule.
    without the graph: chains of ops, small synthetic training steps,
    collectives and transfers between logical CPUs; calibrating from the
    graph being predicted would flatter the prediction); the cluster is the
-   cpu-host preset with every device in one host. The table's reference
-   step takes turns too, after each model's plans: its median time over
-   the table's is the machine's level now against when it was calibrated
-   (other work on a shared machine moves it by a tenth or more between
-   minutes), printed, and the "x level" column is the prediction at this
-   level over the measurement. With --processes K, all of that runs in K
+   cpu-host preset with every device in one host. The table's small
+   training steps take turns too, after each model's plans: the median
+   over them of each one's time now over its time in the table is the
+   machine's level now against when it was calibrated (other work on a
+   shared machine moves it by a tenth or more between minutes, and one
+   step's time by up to a fifth on its own), printed, and the "x level"
+   column is the prediction at this level over the measurement. With --processes K, all of that runs in K
    fresh processes one after the other (each calibrating its own table
    unless --calibration names one) and each plan's median ratio counts:
    a step's time moves by up to a tenth between processes.
@@ -84,7 +85,7 @@ flags.DEFINE_integer("processes", 1, "With --measure: measure in this many fresh
                      "ratio (a step's time moves by a tenth between processes).",
                      lower_bound=1)
 
-REFERENCE = "reference"   # the calibration's reference step among the timed steps
+LEVEL = "level"   # the calibration's small training steps among the timed steps
 
 # (model, sizes for synthetic_gpt)
 MODELS = {
@@ -205,10 +206,9 @@ def measured(specs):
         f"{table.collective_for(4) * 1e6:.0f} us), transfer "
         f"{table.transfer_overhead * 1e6:.1f} us):")
   steps, priced = {}, []   # every model's plans, timed together
-  # The machine's level now against the table's: the reference step takes
-  # turns with the plans.
-  reference = table.machine.get("reference_step")
-  reference_step = calibrate.reference_step() if reference else None
+  # The machine's level now against the table's: the calibration's small
+  # training steps take turns with the plans.
+  level_steps = calibrate.level_steps() if table.machine.get("training_steps") else {}
   for text in specs:
     name, _, size = text.partition(":")
     ex = models.build(name, size=size or "small", seed=0)
@@ -234,18 +234,18 @@ def measured(specs):
           ex.train_step, plan=plan, input_signature=ex.train_signature,
           variable_names=names), inputs)
       priced.append((text, str(rank + 1) if rank < ranked else "-", est))
-    if reference:   # after each model's plans: the level at many moments of a round
-      steps[(REFERENCE, text)] = reference_step
+    for k, step in level_steps.items():   # after each model's plans: many moments of a round
+      steps[(LEVEL, k, text)] = step
   # All models' plans take turns in each round, so the rounds of one plan
   # spread over the whole run and a burst of other work on the machine
   # spoils one of its rounds rather than all of a model's; the median round
   # counts.
   _, round_medians = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
                                          steps=FLAGS.steps, settle=FLAGS.settle)
-  reference_rounds = [t for key, times in round_medians.items() if key[0] == REFERENCE
-                      for t in times]
-  reference_now = statistics.median(reference_rounds) if reference else None
-  level = reference_now / reference if reference else 1.0
+  level_now = {k: statistics.median(t for key, times in round_medians.items()
+                                    if key[:2] == (LEVEL, k) for t in times)
+               for k in level_steps}
+  level = calibrate.machine_level(table, level_now) or 1.0
   rows, results = [], []
   for text, rank, est in priced:
     label = est.label()
@@ -254,14 +254,16 @@ def measured(specs):
                     "microbatches": est.candidate.microbatches,
                     "predicted": est.step_time, "measured": got, "level": level,
                     "ratio": est.step_time * level / got,
-                    "round_medians": round_medians[(text, label)],
-                    "reference_rounds": reference_rounds})
+                    "round_medians": round_medians[(text, label)]})
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
                  f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
-  if reference:
-    print(f"  machine level: the reference step takes {level:.2f} x its time in the "
-          f"table ({reference_now * 1e3:.2f} against "
-          f"{reference * 1e3:.2f} ms)")
+  if level_now:
+    then = table.machine["training_steps"]
+    print(f"  machine level: the calibration's training steps take {level:.2f} x their "
+          "times in the table (the median of " + ", ".join(
+              f"{level_now[k] / then[k]:.2f}" for k in sorted(level_now)) + ")")
+  else:
+    print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
                       "predicted/measured", "x level"], rows, "<<<>>>>", indent="  "))
   if FLAGS.measure_only:

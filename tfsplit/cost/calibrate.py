@@ -69,7 +69,6 @@ _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are mea
 # are timed where they run, inside a step; sequence 1 is an MLP.
 _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
                    (4, 24, 1, 96), (2, 48, 1, 160))
-_REFERENCE = 2   # the training step whose time is the machine's level (reference_step)
 # Untraced steps: calls before timing, rounds, and calls before each turn's
 # timed ones (tfsplit.runtime.timing).
 _WARMUP, _ROUNDS, _SETTLE = 5, 5, 2
@@ -187,7 +186,7 @@ def _function_step_time(graph_def, graph, repeats, seed):
 def _steps_time(steps_by_key, repeats):
   """{key: median seconds of a call} of {key: (fn, args)} functions timed in
   turns: _ROUNDS rounds of `repeats` calls each, after _WARMUP calls (a
-  function's first calls run slower: the reference step's first calls
+  function's first calls run slower: a GPT-shaped step's first calls
   after tracing took 20, 16, 16 and 16 ms, then 14) and _SETTLE calls per
   turn. In turns, a burst of other work lands on all the steps rather
   than on one, whose time alone would then move graph_scale."""
@@ -462,7 +461,7 @@ def training_steps(repeats, traced, say=None, beside=None):
   """([(graph, shapes, Profile)], {key: seconds}): the small training steps
   of _TRAINING_STEPS, each traced alone, then all of them untraced, in
   turns (_steps_time), so that the level of their times (graph_scale, the
-  reference step) is one moment's; and the median call of each
+  machine's level) is one moment's; and the median call of each
   {key: (fn, args)} of `beside`, timed in the same turns."""
   graphs, traces, functions = [], [], dict(beside or {})
   for k, (blocks, batch, seq, hidden) in enumerate(_TRAINING_STEPS):
@@ -488,15 +487,25 @@ def _training_step(k):
   return graph_def, Graph(graph_def)
 
 
-def reference_step():
-  """(fn, args): the reference training step, one of the calibration's
-  small training steps, whose untraced time `calibrate` keeps in the table
-  (CostTable.machine['reference_step']). Timed again beside other work
-  (tfsplit.runtime.timing), its time over the table's says how much slower
-  or faster the machine runs now than when the table was measured: a
-  benchmark that judges predictions priced by an older table divides that
-  out."""
-  return _function_and_args(*_training_step(_REFERENCE), 0)
+def level_steps():
+  """{k: (fn, args)}: the calibration's small training steps (_TRAINING_STEPS)
+  as functions, to time again beside other work (tfsplit.runtime.timing)
+  and read the machine's level (machine_level)."""
+  return {k: _function_and_args(*_training_step(k), 0) for k in range(len(_TRAINING_STEPS))}
+
+
+def machine_level(table, seconds):
+  """How much slower (> 1) or faster the machine runs now than when `table`
+  was calibrated: the median over the small training steps of each one's
+  time now ({k: seconds}, level_steps timed) over its time in the table
+  (CostTable.machine['training_steps']); None for a table without them. A
+  benchmark that judges predictions priced by an older table multiplies
+  them by it. The median, not one step: a step's time drifts by up to a
+  fifth on its own (in one process the GPT-shaped step read 1.18 while the
+  six's median read 1.05)."""
+  then = table.machine.get("training_steps") or []
+  ratios = [seconds[k] / then[k] for k in seconds if k < len(then) and then[k] > 0]
+  return statistics.median(ratios) if ratios else None
 
 
 def in_step_points(steps):
@@ -771,7 +780,6 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   steps, beside = training_steps(
       repeats, traced, say, beside={"launch": _function_and_args(launch, Graph(launch), 0)})
   table.step_overhead = beside["launch"]
-  table.machine["reference_step"] = steps[_REFERENCE][2].step_time
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
   points = in_step_points(steps)
   in_step = {op for op, _, _ in points.values()}

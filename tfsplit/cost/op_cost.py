@@ -308,12 +308,10 @@ class CostTable:
   concurrency_at / collective_at: the same measured over more devices
     ({devices: value}; see concurrency_for and collective_for).
   machine: where it was measured (platform, cores, TensorFlow), and
-    'reference_step': seconds of calibrate.reference_step then, the
-    machine's level (a benchmark times it again to see how much faster or
-    slower the machine runs now), and 'training_steps': seconds of each of
-    calibrate's synthetic training steps (the reference is one of them;
-    the MLP-shaped ones, a fraction of a millisecond, are the level of a
-    step made of small ops).
+    'training_steps': seconds of each of calibrate's small synthetic
+    training steps then, the machine's level (a benchmark times them again
+    to see how much faster or slower the machine runs now:
+    calibrate.machine_level).
   """
   entries: dict = dataclasses.field(default_factory=dict)
   op_factor: dict = dataclasses.field(default_factory=dict)
