@@ -34,10 +34,11 @@ common hand rule.
    machine's level now against when it was calibrated (other work on a
    shared machine moves it by a tenth or more between minutes, and one
    step's time by up to a fifth on its own), printed, and the "x level"
-   column is the prediction at this level over the measurement. With --processes K, all of that runs in K
-   fresh processes one after the other (each calibrating its own table
-   unless --calibration names one) and each plan's median ratio counts:
-   a step's time moves by up to a tenth between processes.
+   column is the prediction at this level over the measurement. With
+   --processes K, all of that runs in K fresh processes one after the
+   other (each calibrating its own table unless --calibration names one)
+   and each plan's median ratio counts: a step's time moves by up to a
+   tenth between processes.
 
     python tools/bench_planner.py [--repeats 3] [--graph-blocks 96]
     python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small \
@@ -258,10 +259,9 @@ def measured(specs):
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
                  f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
   if level_now:
-    then = table.machine["training_steps"]
     print(f"  machine level: the calibration's training steps take {level:.2f} x their "
           "times in the table (the median of " + ", ".join(
-              f"{level_now[k] / then[k]:.2f}" for k in sorted(level_now)) + ")")
+              f"{r:.2f}" for r in calibrate.level_ratios(table, level_now).values()) + ")")
   else:
     print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",

@@ -494,18 +494,22 @@ def level_steps():
   return {k: _function_and_args(*_training_step(k), 0) for k in range(len(_TRAINING_STEPS))}
 
 
+def level_ratios(table, seconds):
+  """{k: each small training step's time now ({k: seconds}, level_steps
+  timed) over its time in the table (CostTable.machine['training_steps'])}."""
+  then = table.machine.get("training_steps") or []
+  return {k: t / then[k] for k, t in sorted(seconds.items()) if k < len(then) and then[k] > 0}
+
+
 def machine_level(table, seconds):
   """How much slower (> 1) or faster the machine runs now than when `table`
-  was calibrated: the median over the small training steps of each one's
-  time now ({k: seconds}, level_steps timed) over its time in the table
-  (CostTable.machine['training_steps']); None for a table without them. A
-  benchmark that judges predictions priced by an older table multiplies
-  them by it. The median, not one step: a step's time drifts by up to a
-  fifth on its own (in one process the GPT-shaped step read 1.18 while the
-  six's median read 1.05)."""
-  then = table.machine.get("training_steps") or []
-  ratios = [seconds[k] / then[k] for k in seconds if k < len(then) and then[k] > 0]
-  return statistics.median(ratios) if ratios else None
+  was calibrated: the median of level_ratios; None for a table without
+  the steps' times. A benchmark that judges predictions priced by an older
+  table multiplies them by it. The median, not one step: a step's time
+  drifts by up to a fifth on its own (in one process the GPT-shaped step
+  read 1.18 while the six's median read 1.05)."""
+  ratios = level_ratios(table, seconds)
+  return statistics.median(ratios.values()) if ratios else None
 
 
 def in_step_points(steps):
