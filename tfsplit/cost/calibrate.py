@@ -747,16 +747,21 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
       best_bw = max(best_bw, cost.bytes_moved / seconds)
   table.flops = best_flops or None
   table.bandwidth = best_bw or None
-  table.entries.update(entries)
-  graphs_entries = {}
+  # The lines are fitted on every measured op time, the chains' and the
+  # graphs'; only the graphs' own ops keep their times in the table. A
+  # chain's op runs alone: it costs less than the same op inside a step, so
+  # a model whose shapes happen to match the chains' (a raw TF GPT's 2-d
+  # MatMuls and BiasAdds) would be priced below one priced by the lines
+  # (Keras' einsums).
+  measured = dict(entries)
   for i, graph_def in enumerate(graph_defs):
     say(f"graph {i + 1}/{len(graph_defs)}: {len(graph_def.node)} nodes")
     g = Graph(graph_def)
     g_shapes = infer_shapes(g)
     g_profile = profile_graph(graph_def, repeats=repeats, traced=traced)
     g_entries = entries_from_profile(g, g_shapes, g_profile)
+    measured.update(g_entries)
     table.entries.update(g_entries)
-    graphs_entries.update(g_entries)
     for node in g.nodes:
       sig = op_cost.signature(node, g_shapes)
       if sig in g_entries and sig not in costs:
@@ -787,9 +792,9 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
   points = in_step_points(steps)
   in_step = {op for op, _, _ in points.values()}
-  fit = {sig: (op, model.roofline(cost), table.entries[sig])
+  fit = {sig: (op, model.roofline(cost), measured[sig])
          for sig, (op, cost) in costs.items()
-         if op not in in_step and sig in table.entries}
+         if op not in in_step and sig in measured}
   fit.update({sig: (op, model.roofline(cost), seconds)
               for sig, (op, cost, seconds) in points.items()})
   # Fitted on traced times as they are: step_scale then scales the lines to
@@ -797,7 +802,8 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # with the noise, and step_scale would only undo it).
   chain_overhead, table.op_overhead = table.op_overhead, 0.0
   time_scale, table.time_scale = table.time_scale, 1.0
-  table.fit_factors({sig: (op, model.roofline(cost)) for sig, (op, cost) in costs.items()})
+  table.fit_factors({sig: (op, model.roofline(cost)) for sig, (op, cost) in costs.items()},
+                    seconds=measured)
   # The fixed time of a call is what it costs alone (the chains); what a
   # step adds to an op grows with the op (waiting for threads it would
   # split its work over), so the in-step times fit only the factor. (Fitting
@@ -810,9 +816,4 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.time_scale = time_scale
   table.graph_scale, table.op_overhead = step_scale(table, steps, cluster)
   table.machine["chain_op_overhead"] = chain_overhead
-  # Only the graphs' own ops keep their times. A chain's op runs alone: it
-  # costs less than the same op inside a step, so a model whose shapes
-  # happen to match the chains' (a raw TF GPT's 2-d MatMuls and BiasAdds)
-  # would be priced below one priced by the lines (Keras' einsums).
-  table.entries = graphs_entries
   return table
