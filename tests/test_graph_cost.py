@@ -1,4 +1,5 @@
 """Per-op cost, graph simulation, calibration and estimates against measurements."""
+import collections
 import json
 import os
 import statistics
@@ -320,3 +321,102 @@ def test_calibrated_step_time_within_25_percent(spec):
   r = bench_estimate.run_one(spec, steps=30, with_time=True)
   assert r["calibrated_step"] == pytest.approx(r["measured_step"],
                                                rel=0.25), r
+
+
+def _run_updates(graph_def, values):
+  """{weight placeholder: its update (new value less the fed one)} of a
+  calibration training step run with `values` fed by placeholder name:
+  the Identity nodes under 'update/' output w - step."""
+  nodes = {n.name: n for n in graph_def.node}
+  weights = {}
+  for node in graph_def.node:
+    if node.name.startswith("update/") and node.op == "Identity":
+      weights[node.name] = nodes[nodes[node.input[0]].input[0]].name
+  g = tf.Graph()
+  with g.as_default():
+    tf.graph_util.import_graph_def(graph_def, name="")
+  with tf.compat.v1.Session(graph=g) as sess:
+    out = sess.run({name: name + ":0" for name in weights},
+                   {name + ":0": v for name, v in values.items()})
+  return {weights[name]: value - values[weights[name]] for name, value in out.items()}
+
+
+def test_microbatched_training_step_computes_the_same_update():
+  # The calibration times its transformer-shaped steps in micro-batches:
+  # the same step, each micro-batch's forward and backward on a slice of
+  # the batch, summed, one update. The micro-batched graph must compute
+  # what the whole-batch one does, or its times price another step.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  whole = calibrate._training_graph(2, 4, 8, 16, first_style=0)  # pylint: disable=protected-access
+  rng = np.random.default_rng(0)
+  values = {}
+  for node in whole.node:
+    if node.op == "Placeholder":
+      shape = tf.TensorShape(node.attr["shape"].shape).as_list()
+      values[node.name] = (rng.integers(0, 256, shape).astype(np.int32)
+                           if node.attr["dtype"].type == tf.int32.as_datatype_enum
+                           else rng.random(shape, dtype=np.float32) * 0.1)  # v >= 0
+  expected = _run_updates(whole, values)
+  fed = sum(1 for n in whole.node if n.op == "Placeholder")
+  assert len(expected) == (fed - 2) // 3   # one per weight (fed with its two moments)
+  for m in (2, 4):
+    mb = calibrate._training_graph(2, 4, 8, 16, first_style=0, microbatches=m)  # pylint: disable=protected-access
+    got = _run_updates(mb, values)
+    assert sorted(got) == sorted(expected)
+    for name, step in expected.items():
+      np.testing.assert_allclose(got[name], step, rtol=1e-4,
+                                 atol=1e-5 * float(np.abs(step).max()),
+                                 err_msg=f"update of {name} with {m} micro-batches")
+    # Micro-batch j + 1 starts after micro-batch j's gradients joined the sums.
+    graph = Graph(mb)
+    starts = [n for n in graph.nodes if n.op == "Identity" and
+              any(t.startswith("^") for t in n.input)]
+    assert len(starts) == m - 1
+
+
+def test_in_step_points_scale_each_op_by_its_steps_untraced_time():
+  # Two ops traced at 1 and 3 ms in a step that runs untraced in 6 ms
+  # (less a launch of 2 ms): each counts what it adds to the step, 1 and 3
+  # ms scaled by 4 / 4; in a step of 10 ms, by 8 / 4.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  g = tf.Graph()
+  with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [64, 64], name="x")
+    w = tf.compat.v1.placeholder(tf.float32, [64, 32], name="w")
+    tf.linalg.matmul(tf.linalg.matmul(x, x, name="mm"), w, name="mm2")
+  graph = Graph(g.as_graph_def())
+  shapes = infer_shapes(graph, [])
+  traced = {"mm": [1e-3, 2e-3], "mm2": [3e-3]}
+  for step, scale in ((6e-3, 1.0), (10e-3, 2.0)):
+    points = calibrate.in_step_points(
+        [(graph, shapes, calibrate.Profile(traced, step, 4e-3))], launch=2e-3)
+    got = sorted(seconds for _, _, seconds in points.values())
+    assert got == pytest.approx([1e-3 * scale, 3e-3 * scale])
+
+
+def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
+  # The concurrency of logical CPUs is measured on copies of a training
+  # step run in lockstep, one per device: each copy must run on its own
+  # device (all on one would measure nothing) and compute the same step.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  graph_def = calibrate._training_graph(1, 2, 4, 8)  # pylint: disable=protected-access
+  (run_copies, args), sess = calibrate._copies_session(graph_def, 2)  # pylint: disable=protected-access
+  try:
+    run_copies(*args)
+    ends = sorted(n.name for n in graph_def.node
+                  if n.name.startswith("update/") and n.op == "Identity")
+    metadata = tf.compat.v1.RunMetadata()
+    out = sess.run({(d, e): f"copy{d}/{e}:0" for d in range(2) for e in ends},
+                   options=tf.compat.v1.RunOptions(
+                       trace_level=tf.compat.v1.RunOptions.FULL_TRACE),
+                   run_metadata=metadata)
+  finally:
+    sess.close()
+  for e in ends:
+    np.testing.assert_array_equal(out[(1, e)], out[(0, e)], err_msg=e)
+  ran = collections.defaultdict(set)
+  for dev in metadata.step_stats.dev_stats:
+    for stats in dev.node_stats:
+      if stats.node_name.startswith("copy"):
+        ran[dev.device[-1]].add(stats.node_name.partition("/")[0])
+  assert ran == {"0": {"copy0"}, "1": {"copy1"}}, dict(ran)

@@ -25,8 +25,10 @@ common hand rule.
    each, after --settle unmeasured ones: a small step timed right after a
    large one pays for the switch), and the median round. Costs come from a
    calibration table of the micro-benchmarks alone (`tfsplit calibrate`
-   without the graph: chains of ops, small synthetic training steps,
-   collectives and transfers between logical CPUs; calibrating from the
+   without the graph: chains of ops, small synthetic training steps (the
+   transformer-shaped ones also in micro-batches, and copies of them in
+   lockstep on the logical CPUs), collectives and transfers between
+   logical CPUs; calibrating from the
    graph being predicted would flatter the prediction); the cluster is the
    cpu-host preset with every device in one host. The table's small
    training steps take turns too, after each model's plans: the median

@@ -21,17 +21,23 @@ graph to be predicted:
   would be priced low); entries are the graphs' own ops;
 - small synthetic training steps (transformer blocks written with matmuls,
   as tf_keras writes them (einsums) and as Keras 3 does (batched matmuls by
-  a matrix, attention einsums), MLPs; forward, gradients, an Adam update):
-  on a small CPU an op inside a step costs several times what it costs
-  alone in a chain (ops run side by side and wait for the same intra-op
-  threads). Each line (an op type, or one of its forms) is fixed seconds
-  per call, what a call costs alone (the chains), plus a factor times the
-  roofline, fitted on its traced times inside the steps where it runs there
-  (the waiting grows with the op: a split's smaller ops wait less), else on
-  the chains; `graph_scale` scales the lines to the steps' untraced times;
-- chains over two and four logical CPUs: how much of their work overlaps
-  (`concurrency`: 1 where they share the cores), and the fixed cost of one
-  collective over them all; between two, of one cross-device transfer.
+  a matrix, attention einsums), MLPs; forward, gradients, an Adam update),
+  the transformer-shaped ones also in 2 and 4 micro-batches ordered as the
+  rewrite orders them: on a small CPU an op inside a step costs several
+  times what it costs alone in a chain (ops run side by side and wait for
+  the same intra-op threads). Each line (an op type, or one of its forms)
+  is fixed seconds per call plus a factor times the roofline, fitted on its
+  times inside the steps where it runs there (each node's traced time
+  scaled by its step's untraced over traced time), else on the chains. The
+  fixed part is what a call costs alone (the chains) for the ops an MLP's
+  step runs too, and is fitted in the steps for the ops only transformer
+  steps run (attention's), whose fixed part inside a step is twice their
+  chains'. `graph_scale` scales the lines to the steps' untraced times;
+- copies of the training steps on two and four logical CPUs, run in
+  lockstep: how much of their work overlaps (`concurrency`: 1 where the
+  devices' work runs one after the other); chains over them: the fixed
+  cost of one collective over them all; between two, of one cross-device
+  transfer.
 Untraced times are medians over rounds of repeated runs, as a step is
 timed; the training steps take turns in the rounds, with the call of a
 2-op function that is a step's launch cost. Traced
@@ -62,13 +68,17 @@ _MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
 _ELEMENT_SIZES = (64, 1024, 16384, 262144)
 _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
-_CONCURRENCY_SIZE = 16384   # elements: a small model's activation tensor
 _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are measured on
-# (blocks, batch) of the training steps that price ops inside a step.
 # (blocks, batch, sequence, hidden) of the small training steps whose ops
 # are timed where they run, inside a step; sequence 1 is an MLP.
 _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
                    (4, 24, 1, 96), (2, 48, 1, 160))
+# The transformer-shaped steps are also timed in these micro-batch counts
+# (where the batch divides): a micro-batch runs the step's ops on a
+# fraction of the batch, and an attention op's time inside a step has a
+# fixed part per call far above its chain's, which only smaller sizes
+# show (see calibrate).
+_MICROBATCHES = (2, 4)
 # Untraced steps: calls before timing, rounds, and calls before each turn's
 # timed ones (tfsplit.runtime.timing).
 _WARMUP, _ROUNDS, _SETTLE = 5, 5, 2
@@ -364,7 +374,7 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
 
 
 def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
-                    first_style=0):
+                    first_style=0, microbatches=1):
   """A small transformer's training step (forward, tf.gradients, an Adam
   update) with its weights and optimizer state fed: the op mix and the
   parallel structure of a real step, which chains of one op lack. Inside a
@@ -372,118 +382,153 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
   for the same intra-op threads: on a small CPU each op costs several times
   what it costs alone in a chain. Block i is written in style
   (i + first_style) % 3: matmuls and transposes (0), tf_keras' einsums (1),
-  Keras 3's batched matmuls by a matrix and attention einsums (2)."""
+  Keras 3's batched matmuls by a matrix and attention einsums (2).
+
+  With `microbatches` m, the forward and backward run on m slices of the
+  batch one after another, as the micro-batch rewrite orders them (slice
+  j + 1 waits for slice j's gradients to join the running sums), and the
+  update (under the name scope 'update') runs once on the sums."""
   g = tf.Graph()
   with g.as_default():
     feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
     tokens = feed([batch * seq, hidden])
     labels = feed([batch * seq], tf.int32)
-    weights = []
+    weights, used = [], [0]
 
-    def weight(*shape):
-      weights.append(feed(list(shape)))
-      return weights[-1]
+    def weight(*shape):   # made by the first micro-batch, shared by the others
+      if used[0] == len(weights):
+        weights.append(feed(list(shape)))
+      used[0] += 1
+      return weights[used[0] - 1]
 
-    def norm(x):
-      mean = tf.reduce_mean(x, -1, keepdims=True)
-      var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
-      return (x - mean) * tf.math.rsqrt(var + 1e-5) * weight(hidden) + weight(hidden)
+    def loss_of(x, labels, batch):
+      used[0] = 0
 
-    def dense(t, units):   # Keras 3's Dense on a sequence
-      return tf.linalg.matmul(tf.reshape(t, [batch, seq, -1]),
-                              weight(t.shape[-1], units)) + weight(units)
+      def norm(x):
+        mean = tf.reduce_mean(x, -1, keepdims=True)
+        var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
+        return (x - mean) * tf.math.rsqrt(var + 1e-5) * weight(hidden) + weight(hidden)
 
-    def heads_of(t):
-      return tf.transpose(tf.reshape(t, [batch, seq, heads, hidden // heads]),
-                          [0, 2, 1, 3])
+      def dense(t, units):   # Keras 3's Dense on a sequence
+        return tf.linalg.matmul(tf.reshape(t, [batch, seq, -1]),
+                                weight(t.shape[-1], units)) + weight(units)
 
-    causal = tf.constant(np.tril(np.ones([seq, seq], dtype=bool)))
-    norm = norm if seq > 1 else (lambda t: t)
-    x = tokens
-    hd = hidden // heads
-    for i in range(blocks):
-      if seq == 1:   # an MLP's block: dense, GELU
-        h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
-        x = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-        continue
-      style = (i + first_style) % 3
-      if style == 2:   # as Keras 3 writes it: 3-d dense matmuls, batched einsums
-        y = norm(x)
-        q, k, v = (tf.reshape(dense(y, hidden), [batch, seq, heads, hd]) for _ in range(3))
-        scores = tf.einsum("BTNH,BSNH->BNTS", q, k) * hd ** -0.5
+      def heads_of(t):
+        return tf.transpose(tf.reshape(t, [batch, seq, heads, hidden // heads]),
+                            [0, 2, 1, 3])
+
+      causal = tf.constant(np.tril(np.ones([seq, seq], dtype=bool)))
+      norm = norm if seq > 1 else (lambda t: t)
+      hd = hidden // heads
+      for i in range(blocks):
+        if seq == 1:   # an MLP's block: dense, GELU
+          h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
+          x = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+          continue
+        style = (i + first_style) % 3
+        if style == 2:   # as Keras 3 writes it: 3-d dense matmuls, batched einsums
+          y = norm(x)
+          q, k, v = (tf.reshape(dense(y, hidden), [batch, seq, heads, hd]) for _ in range(3))
+          scores = tf.einsum("BTNH,BSNH->BNTS", q, k) * hd ** -0.5
+          probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+          ctx = tf.reshape(tf.einsum("BNTS,BSNH->BTNH", probs, v), [batch * seq, hidden])
+          x = x + tf.reshape(dense(ctx, hidden), [batch * seq, hidden])
+          h = dense(norm(x), 4 * hidden)
+          h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+          x = x + tf.reshape(dense(h, hidden), [batch * seq, hidden])
+          continue
+        if style == 1:   # as tf_keras' MultiHeadAttention writes it: einsums
+          y = tf.reshape(norm(x), [batch, seq, hidden])
+          q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
+                     weight(heads, hd) for _ in range(3))
+          scores = tf.einsum("aecd,abcd->acbe", k, q) * hd ** -0.5
+          probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+          ctx = tf.einsum("acbe,aecd->abcd", probs, v)
+          out = tf.einsum("abcd,cde->abe", ctx, weight(heads, hd, hidden)) + weight(hidden)
+          x = x + tf.reshape(out, [batch * seq, hidden])
+          h = tf.einsum("abc,cd->abd", tf.reshape(norm(x), [batch, seq, hidden]),
+                        weight(hidden, 4 * hidden)) + weight(4 * hidden)
+          h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+          x = x + tf.reshape(tf.einsum("abc,cd->abd", h, weight(4 * hidden, hidden)) +
+                             weight(hidden), [batch * seq, hidden])
+          continue
+        qkv = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 3 * hidden)),
+                             weight(3 * hidden))
+        q, k, v = (heads_of(t) for t in tf.split(qkv, 3, axis=-1))
+        scores = tf.linalg.matmul(q, k, transpose_b=True) * (hidden // heads) ** -0.5
         probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
-        ctx = tf.reshape(tf.einsum("BNTS,BSNH->BTNH", probs, v), [batch * seq, hidden])
-        x = x + tf.reshape(dense(ctx, hidden), [batch * seq, hidden])
-        h = dense(norm(x), 4 * hidden)
+        ctx = tf.reshape(tf.transpose(tf.linalg.matmul(probs, v), [0, 2, 1, 3]),
+                         [batch * seq, hidden])
+        x = x + tf.nn.bias_add(tf.linalg.matmul(ctx, weight(hidden, hidden)), weight(hidden))
+        h = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 4 * hidden)),
+                           weight(4 * hidden))
         h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-        x = x + tf.reshape(dense(h, hidden), [batch * seq, hidden])
-        continue
-      if style == 1:   # as tf_keras' MultiHeadAttention writes it: einsums
-        y = tf.reshape(norm(x), [batch, seq, hidden])
-        q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
-                   weight(heads, hd) for _ in range(3))
-        scores = tf.einsum("aecd,abcd->acbe", k, q) * hd ** -0.5
-        probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
-        ctx = tf.einsum("acbe,aecd->abcd", probs, v)
-        out = tf.einsum("abcd,cde->abe", ctx, weight(heads, hd, hidden)) + weight(hidden)
-        x = x + tf.reshape(out, [batch * seq, hidden])
-        h = tf.einsum("abc,cd->abd", tf.reshape(norm(x), [batch, seq, hidden]),
-                      weight(hidden, 4 * hidden)) + weight(4 * hidden)
-        h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-        x = x + tf.reshape(tf.einsum("abc,cd->abd", h, weight(4 * hidden, hidden)) +
-                           weight(hidden), [batch * seq, hidden])
-        continue
-      qkv = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 3 * hidden)),
-                           weight(3 * hidden))
-      q, k, v = (heads_of(t) for t in tf.split(qkv, 3, axis=-1))
-      scores = tf.linalg.matmul(q, k, transpose_b=True) * (hidden // heads) ** -0.5
-      probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
-      ctx = tf.reshape(tf.transpose(tf.linalg.matmul(probs, v), [0, 2, 1, 3]),
-                       [batch * seq, hidden])
-      x = x + tf.nn.bias_add(tf.linalg.matmul(ctx, weight(hidden, hidden)), weight(hidden))
-      h = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 4 * hidden)),
-                         weight(4 * hidden))
-      h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-      x = x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
-                             weight(hidden))
-    logits = tf.linalg.matmul(norm(x), weight(hidden, vocab))
-    loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-        labels=labels, logits=logits))
-    for w, grad in zip(weights, tf.gradients(loss, weights)):
-      m, v = feed(w.shape), feed(w.shape)
-      m = 0.9 * m + 0.1 * grad
-      v = 0.999 * v + 0.001 * tf.square(grad)
-      tf.identity(w - 1e-3 * m / (tf.sqrt(v) + 1e-7))
+        x = x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
+                               weight(hidden))
+      logits = tf.linalg.matmul(norm(x), weight(hidden, vocab))
+      return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=logits))
+
+    rows = batch // microbatches * seq
+    sums = None
+    for j in range(microbatches):
+      if microbatches == 1:
+        x, y = tokens, labels
+      else:
+        rows_j = tokens[j * rows:(j + 1) * rows]
+        with tf.control_dependencies(sums or []):
+          x = tf.identity(rows_j)
+        y = labels[j * rows:(j + 1) * rows]
+      loss = loss_of(x, y, batch // microbatches)
+      if microbatches > 1:   # the sums are then the whole batch's mean's gradients
+        loss = loss / microbatches
+      grads = tf.gradients(loss, weights)
+      sums = grads if sums is None else [a + b for a, b in zip(sums, grads)]
+    with tf.name_scope("update"):
+      for w, grad in zip(weights, sums):
+        m, v = feed(w.shape), feed(w.shape)
+        m = 0.9 * m + 0.1 * grad
+        v = 0.999 * v + 0.001 * tf.square(grad)
+        tf.identity(w - 1e-3 * m / (tf.sqrt(v) + 1e-7))
   return g.as_graph_def()
 
 
 def training_steps(repeats, traced, say=None, beside=None):
-  """([(graph, shapes, Profile)], {key: seconds}): the small training steps
-  of _TRAINING_STEPS, each traced alone, then all of them untraced, in
-  turns (_steps_time), so that the level of their times (graph_scale, the
-  machine's level) is one moment's; and the median call of each
-  {key: (fn, args)} of `beside`, timed in the same turns."""
-  graphs, traces, functions = [], [], dict(beside or {})
-  for k, (blocks, batch, seq, hidden) in enumerate(_TRAINING_STEPS):
+  """([(graph, shapes, Profile)] of _TRAINING_STEPS, the same of their
+  micro-batched variants (_MICROBATCHES), {key: seconds}): each step
+  traced alone, then all of them untraced, in turns (_steps_time), so that
+  the level of their times (graph_scale, the machine's level) is one
+  moment's; and the median call of each {key: (fn, args)} of `beside`,
+  timed in the same turns."""
+  cases = [(k, 1) for k in range(len(_TRAINING_STEPS))]
+  cases += [(k, m) for k, (_, batch, seq, _) in enumerate(_TRAINING_STEPS)
+            for m in _MICROBATCHES if seq > 1 and batch % m == 0]
+  graphs, traces, functions = {}, {}, dict(beside or {})
+  for k, m in cases:
     if say:
-      say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}")
-    graph_def, graph = _training_step(k)
-    graphs.append(graph)
-    traces.append(_trace_graph(graph_def, graph, traced, 0))
-    functions[k] = _function_and_args(graph_def, graph, 0)
+      blocks, batch, seq, hidden = _TRAINING_STEPS[k]
+      say(f"training step: {blocks} blocks, batch {batch}, sequence {seq}, hidden {hidden}" +
+          (f", {m} micro-batches" if m > 1 else ""))
+    graph_def, graphs[(k, m)] = _training_step(k, m)
+    traces[(k, m)] = _trace_graph(graph_def, graphs[(k, m)], traced, 0)
+    functions[(k, m)] = _function_and_args(graph_def, graphs[(k, m)], 0)
   if say:
     say(f"training steps, untraced: {_ROUNDS} rounds in turns")
   seconds = _steps_time(functions, repeats)
-  steps = [(graph, infer_shapes(graph, []), Profile(node_times, seconds[k], traced_sum))
-           for k, (graph, (node_times, traced_sum)) in enumerate(zip(graphs, traces))]
-  return steps, {key: seconds[key] for key in beside or {}}
+  steps = {case: (graphs[case], infer_shapes(graphs[case], []),
+                  Profile(traces[case][0], seconds[case], traces[case][1]))
+           for case in cases}
+  return ([steps[case] for case in cases if case[1] == 1],
+          [steps[case] for case in cases if case[1] > 1],
+          {key: seconds[key] for key in beside or {}})
 
 
-def _training_step(k):
-  """(GraphDef, Graph) of _TRAINING_STEPS[k]: each style of block (the
-  first block's style is k's) at several sizes."""
+def _training_step(k, microbatches=1):
+  """(GraphDef, Graph) of _TRAINING_STEPS[k] in `microbatches`: each style
+  of block (the first block's style is k's) at several sizes."""
   blocks, batch, seq, hidden = _TRAINING_STEPS[k]
-  graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k)
+  graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k,
+                              microbatches=microbatches)
   return graph_def, Graph(graph_def)
 
 
@@ -512,22 +557,36 @@ def machine_level(table, seconds):
   return statistics.median(ratios.values()) if ratios else None
 
 
-def in_step_points(steps):
+def in_step_points(steps, launch=0.0):
   """{signature: (line, NodeCost, seconds)} of the ops of the training
-  steps, as they run inside a step: the median over its nodes of each
-  node's fastest traced run."""
+  steps, as they run inside a step: each node's fastest traced run times
+  its step's untraced time (less the `launch` of a step) over the sum of
+  its nodes' fastest traced runs; the median over a signature's nodes.
+  Traced, an op inside a step is stretched by what the ops beside it take
+  from the cores, and by more the more ops run side by side: a
+  GPT-shaped step's traced ops summed to 2.7 times its untraced time in
+  one micro-batch and 1.4 times in eight, an MLP's to 1.3 times; scaled
+  by its own step, each op counts what it adds to a step."""
   samples, costs = collections.defaultdict(list), {}
   for graph, shapes, profile in steps:
-    for node in graph.nodes:
-      seconds = profile.fastest(node.name)
-      cost = op_cost.node_cost(node, shapes, graph)
-      if seconds is None or cost.comm:
-        continue
+    ran = [(node, profile.fastest(node.name), op_cost.node_cost(node, shapes, graph))
+           for node in graph.nodes if profile.fastest(node.name) is not None]
+    ran = [(node, seconds, cost) for node, seconds, cost in ran if not cost.comm]
+    traced = sum(seconds for _, seconds, _ in ran)
+    scale = max(0.0, profile.step_time - launch) / traced if traced > 0 else 1.0
+    for node, seconds, cost in ran:
       sig = op_cost.signature(node, shapes)
-      samples[sig].append(seconds)
+      samples[sig].append(seconds * scale)
       costs[sig] = (cost.line, cost)
   return {sig: (costs[sig][0], costs[sig][1], statistics.median(v))
           for sig, v in samples.items()}
+
+
+def step_lines(steps):
+  """The lines (op types or forms) of the ops that run in `steps`."""
+  return {op_cost.node_cost(node, shapes, graph).line
+          for graph, shapes, profile in steps for node in graph.nodes
+          if profile.fastest(node.name) is not None}
 
 
 def step_scale(table, steps, cluster):
@@ -558,27 +617,18 @@ def _devices_graph(kind, length, devices=2):
   """A graph over `devices` logical CPUs whose time grows by one unit per
   `length`:
 
-    'one'        a chain of medium elementwise ops on CPU:0
-    'many'       the same chain on each device (how much of their work
-                 overlaps on this machine's cores)
     'collective' a chain of all-reduces of a small tensor over them all
     'transfer'   a chain of small ops alternating between two devices
   """
   g = tf.Graph()
   with g.as_default():
-    size = 16 if kind in ("collective", "transfer") else _CONCURRENCY_SIZE
+    size = 16
     x = tf.compat.v1.placeholder(tf.float32, [size])
     consts = []
     for d in range(devices):
       with tf.device(f"/device:CPU:{d}"):
         consts.append(tf.constant(np.linspace(0.5, 1.0, size, dtype=np.float32)))
-    if kind in ("one", "many"):
-      for d in range(1 if kind == "one" else devices):
-        with tf.device(f"/device:CPU:{d}"):
-          y = tf.identity(x)
-          for i in range(length):
-            y = tf.maximum(y, consts[d]) if i % 2 else tf.multiply(y, consts[d])
-    elif kind == "collective":
+    if kind == "collective":
       ys = []
       for d in range(devices):
         with tf.device(f"/device:CPU:{d}"):
@@ -630,26 +680,69 @@ def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3, devices=2):
   return max(0.0, statistics.median(slopes))
 
 
+def _copies_session(graph_def, copies):
+  """A Session running `copies` copies of a training step's GraphDef, copy
+  d on logical CPU d, its fed weights and optimizer state held in
+  variables there (feeding them would cost more than a small step); the
+  (fn, args) of one run, and the session (to close)."""
+  graph = Graph(graph_def)
+  ends = [n.name for n in graph.nodes if not graph.consumers(n.name)]
+  tf_graph, fetches = tf.Graph(), []
+  with tf_graph.as_default():
+    for d in range(copies):
+      with tf.device(f"/device:CPU:{d}"):
+        reads, rng = {}, np.random.default_rng(0)   # every copy computes the same
+        for node in graph.nodes:
+          if node.op == "Placeholder":
+            value = _feed_value(node.attr["dtype"].type,
+                                tf.TensorShape(node.attr["shape"].shape).as_list(), rng)
+            reads[node.name + ":0"] = tf.Variable(value).read_value()
+        tf.graph_util.import_graph_def(graph_def, input_map=reads, name=f"copy{d}")
+      fetches += [tf_graph.get_operation_by_name(f"copy{d}/{name}") for name in ends]
+    init = tf.compat.v1.global_variables_initializer()
+  config = tf.compat.v1.ConfigProto(allow_soft_placement=True)
+  config.device_count["CPU"] = max(_DEVICE_COUNTS)
+  sess = tf.compat.v1.Session(graph=tf_graph, config=config)
+  sess.run(init)
+  return (lambda: sess.run(fetches), ()), sess
+
+
+def step_concurrency(repeats=10):
+  """{n: concurrency} of n logical CPUs for each count of _DEVICE_COUNTS:
+  n copies of each of _TRAINING_STEPS, one per device, run together in
+  lockstep (as data-parallel replicas and pipeline stages run), against
+  one copy alone, n * one / together, the median over the steps, within
+  [1, n]. The steps' ops are small: each runs on one core or little more,
+  so copies on two devices overlap on a 2-core machine (1.2-1.4 measured)
+  where chains of larger elementwise ops, which spread over the intra-op
+  threads, did not (1.0)."""
+  steps, sessions = {}, []
+  for k in range(len(_TRAINING_STEPS)):
+    graph_def, _ = _training_step(k)
+    for n in (1,) + _DEVICE_COUNTS:
+      steps[(k, n)], sess = _copies_session(graph_def, n)
+      sessions.append(sess)
+  try:
+    seconds = _steps_time(steps, repeats)
+  finally:
+    for sess in sessions:
+      sess.close()
+  return {n: min(float(n), max(1.0, statistics.median(
+      n * seconds[(k, 1)] / seconds[(k, n)] for k in range(len(_TRAINING_STEPS)))))
+          for n in _DEVICE_COUNTS}
+
+
 def device_benchmark(repeats=10):
   """(concurrency, seconds per collective, seconds per transfer) of logical
-  CPUs of this process, from chains of ops timed untraced: concurrency and
+  CPUs of this process, timed untraced: concurrency (step_concurrency) and
   collective as {devices: value} for each count of _DEVICE_COUNTS.
 
   concurrency: n devices' work over the time it takes them together (n:
   they run in parallel; 1: one after the other, as logical CPUs sharing a
   machine's cores do), at least 1.
   """
-  # The ratio per trial, one and n taken in turn: load that comes and goes
-  # then moves both alike.
-  ratios = collections.defaultdict(list)
-  for _ in range(5):
-    one = _unit_seconds("one", repeats, trials=1)
-    for n in _DEVICE_COUNTS:
-      many = _unit_seconds("many", repeats, trials=1, devices=n)
-      ratios[n].append(n * one / many if many > 0 else 1.0)
-  concurrency = {n: min(float(n), max(1.0, statistics.median(r))) for n, r in ratios.items()}
   collective = {n: _unit_seconds("collective", repeats, devices=n) for n in _DEVICE_COUNTS}
-  return concurrency, collective, _unit_seconds("transfer", repeats)
+  return step_concurrency(repeats), collective, _unit_seconds("transfer", repeats)
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
@@ -786,11 +879,11 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # came out at 78-150 us in five calibrations, and a small MLP's step
   # (0.4 ms) is a third launch.
   launch = _dispatch_graph(2)
-  steps, beside = training_steps(
+  steps, microbatched, beside = training_steps(
       repeats, traced, say, beside={"launch": _function_and_args(launch, Graph(launch), 0)})
   table.step_overhead = beside["launch"]
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
-  points = in_step_points(steps)
+  points = in_step_points(steps + microbatched, table.step_overhead)
   in_step = {op for op, _, _ in points.values()}
   fit = {sig: (op, model.roofline(cost), measured[sig])
          for sig, (op, cost) in costs.items()
@@ -804,13 +897,22 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   time_scale, table.time_scale = table.time_scale, 1.0
   table.fit_factors({sig: (op, model.roofline(cost)) for sig, (op, cost) in costs.items()},
                     seconds=measured)
-  # The fixed time of a call is what it costs alone (the chains); what a
-  # step adds to an op grows with the op (waiting for threads it would
-  # split its work over), so the in-step times fit only the factor. (Fitting
-  # both on the steps' times prices a small model's ops at the steps' sizes:
-  # the example MLPs came out at twice their measured steps.)
-  alone = dict(table.op_fixed)
-  alone.update({op: table.default_fixed for op in in_step if op not in alone})
+  # The fixed time of a call is what it costs alone (the chains) for the
+  # ops an MLP's step runs too (matmuls, bias, elementwise math): fitting
+  # both parts on the steps' times prices a small model's ops at the
+  # steps' sizes (the example MLPs came out at twice their measured
+  # steps), so the in-step times fit only the factor. The lines of the ops
+  # only the transformer-shaped steps run (attention's batched matmuls and
+  # einsums, head transposes, softmax, masks) are fitted on both parts in
+  # the steps, whose micro-batched variants give them sizes down to a
+  # quarter: alone in a chain such an op costs 20-25 us a call, in a step
+  # 45-55 us whatever its size, and with the chains' fixed part a GPT's
+  # step in four micro-batches was priced at 0.72 of its time.
+  transformer_only = in_step - step_lines(
+      [step for step, (_, _, seq, _) in zip(steps, _TRAINING_STEPS) if seq == 1])
+  alone = {op: fixed for op, fixed in table.op_fixed.items() if op not in transformer_only}
+  alone.update({op: table.default_fixed for op in in_step
+                if op not in alone and op not in transformer_only})
   table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
                     seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
   table.time_scale = time_scale
