@@ -570,9 +570,11 @@ def in_step_points(steps, launch=0.0):
   by its own step, each op counts what it adds to a step."""
   samples, costs = collections.defaultdict(list), {}
   for graph, shapes, profile in steps:
-    ran = [(node, profile.fastest(node.name), op_cost.node_cost(node, shapes, graph))
-           for node in graph.nodes if profile.fastest(node.name) is not None]
-    ran = [(node, seconds, cost) for node, seconds, cost in ran if not cost.comm]
+    ran = []
+    for node in graph.nodes:
+      seconds, cost = profile.fastest(node.name), op_cost.node_cost(node, shapes, graph)
+      if seconds is not None and not cost.comm:
+        ran.append((node, seconds, cost))
     traced = sum(seconds for _, seconds, _ in ran)
     scale = max(0.0, profile.step_time - launch) / traced if traced > 0 else 1.0
     for node, seconds, cost in ran:
@@ -911,9 +913,8 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # step in four micro-batches was priced at 0.72 of its time.
   transformer_only = in_step - step_lines(
       [step for step, (_, _, seq, _) in zip(steps, _TRAINING_STEPS) if seq == 1])
-  alone = {op: fixed for op, fixed in table.op_fixed.items() if op not in transformer_only}
-  alone.update({op: table.default_fixed for op in in_step
-                if op not in alone and op not in transformer_only})
+  alone = {op: table.op_fixed.get(op, table.default_fixed)
+           for op in (set(table.op_fixed) | in_step) - transformer_only}
   table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
                     seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
   table.time_scale = time_scale
