@@ -3,6 +3,7 @@ import collections
 import json
 import os
 import statistics
+import time
 
 import numpy as np
 import pytest
@@ -420,3 +421,26 @@ def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
       if stats.node_name.startswith("copy"):
         ran[dev.device[-1]].add(stats.node_name.partition("/")[0])
   assert ran == {"0": {"copy0"}, "1": {"copy1"}}, dict(ran)
+
+
+def test_take_turns_lengthens_the_turns_of_short_steps():
+  # A step far shorter than the minimum turn makes more calls per turn (by
+  # its warm-up calls' time); a long enough one makes `steps` calls.
+  calls = collections.Counter()
+
+  def step(name, seconds):
+    def fn():
+      calls[name] += 1
+      time.sleep(seconds)
+      return 0
+    return fn, ()
+
+  steps = {"short": step("short", 0.001), "long": step("long", 0.02)}
+  samples, medians = timing.take_turns(steps, warmup=2, rounds=3, steps=2, min_turn=0.02)
+  per_turn = len(samples["short"]) // 3
+  # sleep(1 ms) lasts at least 1 ms: at most 20 calls, and far more than 2.
+  assert 8 <= per_turn <= 20 and len(samples["short"]) == 3 * per_turn
+  assert len(samples["long"]) == 3 * 2 and len(medians["short"]) == 3
+  assert calls["short"] == 2 + 3 * per_turn
+  samples, _ = timing.take_turns(steps, warmup=2, rounds=3, steps=2, min_turn=0)
+  assert len(samples["short"]) == 3 * 2

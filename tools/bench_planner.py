@@ -243,11 +243,13 @@ def measured(specs):
   # spread over the whole run and a burst of other work on the machine
   # spoils one of its rounds rather than all of a model's; the median round
   # counts.
+  before = benchlib.cpu_times()
   _, round_medians = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
                                          steps=FLAGS.steps, settle=FLAGS.settle)
   level_now = {k: statistics.median(t for key, times in round_medians.items()
                                     if key[:2] == (LEVEL, k) for t in times)
                for k in level_steps}
+  steal = benchlib.steal_share(before, benchlib.cpu_times())
   level = calibrate.machine_level(table, level_now) or 1.0
   rows, results = [], []
   for text, rank, est in priced:
@@ -256,6 +258,7 @@ def measured(specs):
     results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
                     "microbatches": est.candidate.microbatches,
                     "predicted": est.step_time, "measured": got, "level": level,
+                    "steal": steal,
                     "ratio": est.step_time * level / got,
                     "round_medians": round_medians[(text, label)]})
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
@@ -266,6 +269,8 @@ def measured(specs):
               f"{r:.2f}" for r in calibrate.level_ratios(table, level_now).values()) + ")")
   else:
     print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
+  if steal is not None:
+    print(f"  CPU time the host gave other guests while the steps ran (steal): {steal:.0%}")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
                       "predicted/measured", "x level"], rows, "<<<>>>>", indent="  "))
   if FLAGS.measure_only:

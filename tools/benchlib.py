@@ -30,6 +30,27 @@ def define_example_flags(size, what="examples/models name"):
   flags.DEFINE_string("size", size, "Example size: tiny, small or large.")
 
 
+def cpu_times():
+  """(steal, total) jiffies of this machine's CPUs since boot (/proc/stat),
+  or None where there is no such file. Steal is the time a virtual
+  machine's CPUs were ready but the host ran other guests: a shared cloud
+  machine's steps slow down with it, by minutes, whatever they run."""
+  try:
+    with open("/proc/stat", encoding="ascii") as f:
+      fields = [int(x) for x in f.readline().split()[1:]]
+  except (OSError, ValueError):
+    return None
+  return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
+def steal_share(before, after):
+  """Share of CPU time stolen between two cpu_times() readings (None if
+  either is None or no time passed)."""
+  if before is None or after is None or after[1] <= before[1]:
+    return None
+  return (after[0] - before[0]) / (after[1] - before[1])
+
+
 RESULT_MARK = "@bench-result "  # prefix of the line print_result writes
 
 

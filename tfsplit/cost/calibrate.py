@@ -730,9 +730,10 @@ def step_concurrency(repeats=10):
   finally:
     for sess in sessions:
       sess.close()
-  return {n: min(float(n), max(1.0, statistics.median(
-      n * seconds[(k, 1)] / seconds[(k, n)] for k in range(len(_TRAINING_STEPS)))))
-          for n in _DEVICE_COUNTS}
+  per_step = {n: [n * seconds[(k, 1)] / seconds[(k, n)] for k in range(len(_TRAINING_STEPS))]
+              for n in _DEVICE_COUNTS}
+  return ({n: min(float(n), max(1.0, statistics.median(r))) for n, r in per_step.items()},
+          per_step)
 
 
 def device_benchmark(repeats=10):
@@ -745,7 +746,7 @@ def device_benchmark(repeats=10):
   machine's cores do), at least 1.
   """
   collective = {n: _unit_seconds("collective", repeats, devices=n) for n in _DEVICE_COUNTS}
-  return step_concurrency(repeats), collective, _unit_seconds("transfer", repeats)
+  return step_concurrency(repeats) + (collective, _unit_seconds("transfer", repeats))
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
@@ -825,7 +826,8 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.time_scale, table.op_overhead, table.step_overhead = \
       fit_step_model(runs)
   say("logical devices: concurrency, collectives, transfers")
-  concurrency, collective, table.transfer_overhead = device_benchmark(repeats)
+  concurrency, per_step, collective, table.transfer_overhead = device_benchmark(repeats)
+  table.machine["step_concurrency"] = {str(n): r for n, r in per_step.items()}
   table.concurrency, table.collective_overhead = concurrency.pop(2), collective.pop(2)
   table.concurrency_at, table.collective_at = concurrency, collective
   costs = {}
