@@ -291,11 +291,13 @@ def measured_in_processes(specs):
           "--meshes", FLAGS.meshes, "--measure_only", "--processes", "1"]
   if FLAGS.calibration:   # the first process writes it when missing
     args += ["--calibration", FLAGS.calibration]
-  by_cell = {}
+  by_cell, steals = {}, []
   for k in range(FLAGS.processes):
     print(f"\nprocess {k + 1}/{FLAGS.processes}:", flush=True)
-    for r in benchlib.run_script(__file__, args, timeout=1800):
+    rows = benchlib.run_script(__file__, args, timeout=1800)
+    for r in rows:
       by_cell.setdefault((r["model"], r["plan"]), []).append(r)
+    steals.append(rows[0].get("steal") if rows else None)
   rows, results = [], []
   for (model, label), runs in by_cell.items():
     row = {key: runs[0][key] for key in ("model", "plan", "mesh", "microbatches")}
@@ -306,7 +308,8 @@ def measured_in_processes(specs):
     rows.append([model, label, f"{row['predicted'] * 1e3:.3g}", f"{row['measured'] * 1e3:.3g}",
                  " ".join(f"{x:.2f}" for x in row["ratios"]), f"{row['ratio']:.2f}"])
   print(f"\nmedian over {FLAGS.processes} processes (x level: predicted at each "
-        "process's level over measured):")
+        "process's level over measured; steal per process: " +
+        ", ".join("?" if x is None else f"{x:.0%}" for x in steals) + "):")
   print(format_table(["model", "plan", "predicted ms", "measured ms", "x level per process",
                       "median"], rows, "<<>>>>", indent="  "))
   if FLAGS.measure_only:
