@@ -36,7 +36,7 @@ def test_zero1_estimate_within_15_percent_of_allocator_peak_and_state():
   # the simulated peak of that sum. It moves with how the two devices'
   # forward passes interleave on the threads: at the default batch 8 it is
   # 10.2 or 12.2 MB by process. At batch 2 (one sequence per replica), in
-  # six processes of 5-9 steps, most steps peaked at 8.1-8.3 MB and some at
+  # six processes of 15 steps, most steps peaked at 8.1-8.3 MB and some at
   # 8.7 or 9.1-9.8 MB; the lowest step of a process was 8.1-8.3 MB in five
   # and 8.7 in one, and the median step of one process was in the 9.1 MB
   # mode, 17% above the estimate (7.6 MB), which is of the interleaving with
