@@ -395,6 +395,39 @@ def test_in_step_points_scale_each_op_by_its_steps_untraced_time():
     assert got == pytest.approx([1e-3 * scale, 3e-3 * scale])
 
 
+def test_fused_matmul_and_bias_add_are_a_point_of_the_matmul_line():
+  # Grappler's remapper runs MatMul + BiasAdd (+ Relu) as one kernel named
+  # after the last: the trace has no MatMul and a matmul's time for the
+  # last node. That time is the MatMul line's point (the BiasAdd line keeps
+  # bias adds alone; a model's pair is priced by both lines).
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  g = tf.Graph()
+  with g.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [64, 128], name="x")
+    w = tf.compat.v1.placeholder(tf.float32, [128, 128], name="w")
+    b = tf.compat.v1.placeholder(tf.float32, [128], name="b")
+    tf.nn.relu(tf.nn.bias_add(tf.linalg.matmul(x, w, name="mm"), b, name="bias"), name="out")
+  graph_def = g.as_graph_def()
+  graph = Graph(graph_def)
+  shapes = infer_shapes(graph, [])
+  profile = calibrate.profile_graph(graph_def, repeats=2, traced=1)
+  assert set(profile.node_times) == {"out"}, profile.node_times
+  assert calibrate.fused_matmuls(graph, profile) == {"mm": "out", "bias": "out"}
+  fused = calibrate.Profile({"out": [4e-3]}, 4e-3, 4e-3)
+  lines = {line: seconds for line, _, seconds in
+           calibrate.in_step_points([(graph, shapes, fused)]).values()}
+  assert lines == pytest.approx({"MatMul": 4e-3}), lines
+  # Unfused (each traced), each keeps its own time.
+  apart = calibrate.Profile({"mm": [3e-3], "bias": [1e-3], "out": [1e-3]}, 5e-3, 5e-3)
+  assert calibrate.fused_matmuls(graph, apart) == {}
+  lines = {line: seconds for line, _, seconds in
+           calibrate.in_step_points([(graph, shapes, apart)]).values()}
+  assert lines == pytest.approx({"MatMul": 3e-3, "BiasAdd": 1e-3, "Relu": 1e-3}), lines
+  # A traced bias add straight after an untraced MatMul is the same kernel.
+  pair = calibrate.Profile({"bias": [4e-3], "out": [1e-3]}, 5e-3, 5e-3)
+  assert calibrate.fused_matmuls(graph, pair) == {"mm": "bias"}
+
+
 def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
   # The concurrency of logical CPUs is measured on copies of a training
   # step run in lockstep, one per device: each copy must run on its own
