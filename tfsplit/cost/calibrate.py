@@ -746,11 +746,12 @@ def _copies_session(graph_def, copies):
 
 
 def step_concurrency(repeats=10):
-  """{n: concurrency} of n logical CPUs for each count of _DEVICE_COUNTS:
-  n copies of each of _TRAINING_STEPS, one per device, run together in
-  lockstep (as data-parallel replicas and pipeline stages run), against
-  one copy alone, n * one / together, the median over the steps, within
-  [1, n]. The steps' ops are small: each runs on one core or little more,
+  """({n: concurrency}, {n: [each step's n * one / together]}) of n
+  logical CPUs for each count of _DEVICE_COUNTS: n copies of each of
+  _TRAINING_STEPS, one per device, run together in lockstep (as
+  data-parallel replicas and pipeline stages run), against one copy
+  alone, n * one / together; the concurrency is the median over the
+  steps, within [1, n]. The steps' ops are small: each runs on one core or little more,
   so copies on two devices overlap on a 2-core machine (1.2-1.4 measured)
   where chains of larger elementwise ops, which spread over the intra-op
   threads, did not (1.0)."""
@@ -772,9 +773,10 @@ def step_concurrency(repeats=10):
 
 
 def device_benchmark(repeats=10):
-  """(concurrency, seconds per collective, seconds per transfer) of logical
-  CPUs of this process, timed untraced: concurrency (step_concurrency) and
-  collective as {devices: value} for each count of _DEVICE_COUNTS.
+  """(concurrency, each step's concurrency, seconds per collective, seconds
+  per transfer) of logical CPUs of this process, timed untraced: the first
+  two as step_concurrency returns them, collective as {devices: value} for
+  each count of _DEVICE_COUNTS.
 
   concurrency: n devices' work over the time it takes them together (n:
   they run in parallel; 1: one after the other, as logical CPUs sharing a
