@@ -294,10 +294,10 @@ def measured_in_processes(specs):
   by_cell, steals = {}, []
   for k in range(FLAGS.processes):
     print(f"\nprocess {k + 1}/{FLAGS.processes}:", flush=True)
-    rows = benchlib.run_script(__file__, args, timeout=1800)
-    for r in rows:
+    process_rows = benchlib.run_script(__file__, args, timeout=1800)
+    for r in process_rows:
       by_cell.setdefault((r["model"], r["plan"]), []).append(r)
-    steals.append(rows[0].get("steal") if rows else None)
+    steals.append(process_rows[0].get("steal") if process_rows else None)
   rows, results = [], []
   for (model, label), runs in by_cell.items():
     row = {key: runs[0][key] for key in ("model", "plan", "mesh", "microbatches")}

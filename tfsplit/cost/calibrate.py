@@ -565,15 +565,19 @@ def fused_matmuls(graph, profile):
   one's name, so the trace has no time for the MatMul and a matmul's time
   for the BiasAdd or activation (30 us a call in the synthetic steps,
   where a bias add alone takes 3)."""
+  def first_input(name):
+    inputs = graph.data_inputs(name)
+    return graph.get(inputs[0][0]) if inputs else None
+
   fused = {}
   for node in graph.nodes:
-    if profile.fastest(node.name) is None or not node.input:
+    if profile.fastest(node.name) is None:
       continue
-    group, source = [], graph.get(node.input[0].split(":")[0].lstrip("^"))
-    while (source is not None and source.op == "BiasAdd" and source.input and
+    group, source = [], first_input(node.name)
+    while (source is not None and source.op == "BiasAdd" and
            profile.fastest(source.name) is None):
       group.append(source.name)
-      source = graph.get(source.input[0].split(":")[0])
+      source = first_input(source.name)
     if (source is not None and source.op == "MatMul" and
         profile.fastest(source.name) is None and (group or node.op == "BiasAdd")):
       fused.update({name: node.name for name in group + [source.name]})
@@ -718,12 +722,13 @@ def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3, devices=2):
   return max(0.0, statistics.median(slopes))
 
 
-def _copies_session(graph_def, copies):
-  """A Session running `copies` copies of a training step's GraphDef, copy
-  d on logical CPU d, its fed weights and optimizer state held in
-  variables there (feeding them would cost more than a small step); the
-  (fn, args) of one run, and the session (to close)."""
-  graph = Graph(graph_def)
+def _copies_session(graph_def, copies, graph=None):
+  """A Session running `copies` copies of a training step's GraphDef (graph:
+  its Graph, when the caller has it), copy d on logical CPU d, its fed
+  weights and optimizer state held in variables there (feeding them would
+  cost more than a small step); the (fn, args) of one run, and the session
+  (to close)."""
+  graph = graph or Graph(graph_def)
   ends = [n.name for n in graph.nodes if not graph.consumers(n.name)]
   tf_graph, fetches = tf.Graph(), []
   with tf_graph.as_default():
@@ -751,15 +756,15 @@ def step_concurrency(repeats=10):
   _TRAINING_STEPS, one per device, run together in lockstep (as
   data-parallel replicas and pipeline stages run), against one copy
   alone, n * one / together; the concurrency is the median over the
-  steps, within [1, n]. The steps' ops are small: each runs on one core or little more,
-  so copies on two devices overlap on a 2-core machine (1.2-1.4 measured)
-  where chains of larger elementwise ops, which spread over the intra-op
-  threads, did not (1.0)."""
+  steps, within [1, n]. The steps' ops are small: each runs on one core
+  or little more, so copies on two devices overlap on a 2-core machine
+  (1.2-1.4 measured) where chains of larger elementwise ops, which spread
+  over the intra-op threads, did not (1.0)."""
   steps, sessions = {}, []
   for k in range(len(_TRAINING_STEPS)):
-    graph_def, _ = _training_step(k)
+    graph_def, graph = _training_step(k)
     for n in (1,) + _DEVICE_COUNTS:
-      steps[(k, n)], sess = _copies_session(graph_def, n)
+      steps[(k, n)], sess = _copies_session(graph_def, n, graph)
       sessions.append(sess)
   try:
     seconds = _steps_time(steps, repeats)

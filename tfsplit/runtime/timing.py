@@ -47,9 +47,8 @@ def take_turns(steps_by_name, warmup, rounds, steps, settle=0,
   calls = {}
   for name, (fn, args) in steps_by_name.items():
     warm = [timed_call(fn, args) for _ in range(warmup)]
-    calls[name] = steps
-    if warm and min_turn:
-      calls[name] = max(steps, math.ceil(min_turn / max(statistics.median(warm), 1e-6)))
+    calls[name] = (max(steps, math.ceil(min_turn / max(statistics.median(warm), 1e-6)))
+                   if warm and min_turn else steps)
   samples = {name: [] for name in steps_by_name}
   round_medians = {name: [] for name in steps_by_name}
   for _ in range(rounds):
