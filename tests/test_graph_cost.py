@@ -428,6 +428,29 @@ def test_fused_matmul_and_bias_add_are_a_point_of_the_matmul_line():
   assert calibrate.fused_matmuls(graph, pair) == {"mm": "bias"}
 
 
+def test_dense_lines_keep_their_chains_fixed_part_attention_lines_fit_theirs():
+  # Of the lines timed inside the training steps, those only transformer
+  # steps run are fitted on both parts there (attention's ops cost twice
+  # their chains' per call inside a step), but Keras 3's dense layer (a
+  # batched matmul by one matrix) keeps its chain's fixed part, as the
+  # MLP's MatMuls do: fitted in the steps, it priced Keras 3's GPT's dense
+  # calls at 2.5x their time in the model's own step.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+
+  def step(graph_def):   # every op ran
+    graph = Graph(graph_def)
+    return graph, infer_shapes(graph, []), calibrate.Profile(
+        {n.name: [1e-6] for n in graph.nodes}, 1e-3, 1e-3)
+
+  mlp = step(calibrate._training_graph(2, 4, 1, 16))  # pylint: disable=protected-access
+  keras3 = step(calibrate._training_graph(1, 2, 8, 16, first_style=2))  # pylint: disable=protected-access
+  in_step = calibrate.step_lines([mlp, keras3])
+  assert {"BatchMatMulV2:broadcast", "Einsum", "Softmax", "MatMul"} <= in_step, in_step
+  fitted = calibrate.lines_fitted_in_steps(in_step, [mlp])
+  assert {"Einsum", "Softmax"} <= fitted, fitted
+  assert not {"BatchMatMulV2:broadcast", "MatMul"} & fitted, fitted
+
+
 def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
   # The concurrency of logical CPUs is measured on copies of a training
   # step run in lockstep, one per device: each copy must run on its own

@@ -31,8 +31,9 @@ graph to be predicted:
   scaled by its step's untraced over traced time), else on the chains. The
   fixed part is what a call costs alone (the chains) for the ops an MLP's
   step runs too, and is fitted in the steps for the ops only transformer
-  steps run (attention's), whose fixed part inside a step is twice their
-  chains'. `graph_scale` scales the lines to the steps' untraced times;
+  steps run (attention's; not Keras 3's dense layers, a MatMul over the
+  rows), whose fixed part inside a step is twice their chains'.
+  `graph_scale` scales the lines to the steps' untraced times;
 - copies of the training steps on two and four logical CPUs, run in
   lockstep: how much of their work overlaps (`concurrency`: 1 where the
   devices' work runs one after the other); chains over them: the fixed
@@ -80,6 +81,15 @@ _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 9
 # show (see calibrate). Adding 2 micro-batches moved no prediction of the
 # example models by more than 0.03 and cost calibration 4 more steps.
 _MICROBATCHES = (4,)
+# Lines of dense layers that only the transformer-shaped steps run (Keras
+# 3's Dense on a sequence: one MatMul over the rows), whose fixed part is
+# nevertheless the chains', as the MLP steps' MatMuls' is. Fitted in the
+# steps, that part came out at 22 us a call: Keras 3's GPT's 32 such calls
+# were priced at 90 us each against 37 traced in its own step, and the GPT
+# in four micro-batches (each call paid four times) read 1.20 (median of
+# nine processes) where the raw and tf_keras GPTs read 1.07; with the
+# chains' part (16-17 us), 1.09 (three processes).
+_DENSE_LINES = frozenset({"BatchMatMulV2:broadcast"})
 # Untraced steps: calls before timing, rounds, and calls before each turn's
 # timed ones (tfsplit.runtime.timing).
 _WARMUP, _ROUNDS, _SETTLE = 5, 5, 2
@@ -630,6 +640,13 @@ def step_lines(steps):
           if profile.fastest(node.name) is not None}
 
 
+def lines_fitted_in_steps(in_step, mlp_steps):
+  """The lines of `in_step` (those timed in the training steps) whose
+  fixed part, too, is fitted on the steps' times (see calibrate): those
+  the MLP steps (`mlp_steps`) do not run, but for _DENSE_LINES."""
+  return set(in_step) - _DENSE_LINES - step_lines(mlp_steps)
+
+
 def step_scale(table, steps, cluster):
   """(scale s, overhead per op d) of ops inside a training step: the
   untraced step times of `steps` (training_steps) against the table's time
@@ -954,11 +971,13 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # the steps, whose micro-batched variants give them sizes down to a
   # quarter: alone in a chain such an op costs 20-25 us a call, in a step
   # 45-55 us whatever its size, and with the chains' fixed part a GPT's
-  # step in four micro-batches was priced at 0.72 of its time.
-  transformer_only = in_step - step_lines(
-      [step for step, (_, _, seq, _) in zip(steps, _TRAINING_STEPS) if seq == 1])
+  # step in four micro-batches was priced at 0.72 of its time. Keras 3's
+  # dense layers only run in transformer steps, yet keep the chains' fixed
+  # part (_DENSE_LINES).
+  in_steps_fixed = lines_fitted_in_steps(
+      in_step, [step for step, (_, _, seq, _) in zip(steps, _TRAINING_STEPS) if seq == 1])
   alone = {op: table.op_fixed.get(op, table.default_fixed)
-           for op in (set(table.op_fixed) | in_step) - transformer_only}
+           for op in (set(table.op_fixed) | in_step) - in_steps_fixed}
   table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
                     seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
   table.time_scale = time_scale
