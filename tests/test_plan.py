@@ -676,3 +676,42 @@ def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
     mesh, _, m = text.partition(" m=")
     r = got[(mesh, int(m or 1))]
     assert len(r["ratios"]) == 3 and r["ratio"] == pytest.approx(1.0, rel=0.25), r
+
+
+def test_reprice_planner_prices_measured_plans_again_from_their_tables(tmp_path):
+  # tools/reprice_planner.py judges a pricing change on timings already
+  # taken: each measured plan priced again from its run's own table, at the
+  # level it was measured at. Three runs of two plans: the same log with a
+  # table whose collectives cost 10x, and a log at twice the level.
+  import benchlib  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+  cheap, dear = str(tmp_path / "cheap.json"), str(tmp_path / "dear.json")
+  op_cost.CostTable(concurrency=1.3, collective_overhead=1e-4, step_overhead=5e-5).save(cheap)
+  op_cost.CostTable(concurrency=1.3, collective_overhead=1e-3, step_overhead=5e-5).save(dear)
+  pp = space.Candidate(1, 1, 2, 2)
+  rows = [{"model": "mlp_raw:small", "plan": "tp=2 m=1", "mesh": "tp=2", "microbatches": 1,
+           "measured": 1e-3, "level": 1.1, "ratio": 0.5},
+          {"model": "mlp_raw:small", "plan": "pp=2 m=2 1f1b", "mesh": "pp=2",
+           "microbatches": 2, "candidate": dataclasses.asdict(pp),
+           "measured": 1e-3, "level": 1.1, "ratio": 0.5}]
+  logs = []
+  for level in (1.1, 2.2):
+    logs.append(str(tmp_path / f"run{level}.log"))
+    with open(logs[-1], "w", encoding="utf-8") as f:
+      f.write("predicted vs measured ...\n" + benchlib.RESULT_MARK +
+              json.dumps([dict(r, level=level) for r in rows]) + "\n")
+  out = benchlib.run_script(os.path.join(_ROOT, "tools", "reprice_planner.py"),
+                            ["--json", f"{cheap}={logs[0]}", f"{dear}={logs[0]}",
+                             f"{cheap}={logs[1]}"], timeout=600)
+  got = {r["plan"]: r for r in out}
+  for plan in ("tp=2 m=1", "pp=2 m=2 1f1b"):
+    assert got[plan]["then"] == [0.5, 0.5, 0.5]
+    cheap_now, dear_now, doubled = got[plan]["now"]
+    assert doubled == pytest.approx(2 * cheap_now)
+  # Each all-reduce of tp=2 costs 0.9 ms more (at level 1.1, over a 1 ms
+  # step); the pipeline has no collective.
+  tp, pipe = got["tp=2 m=1"]["now"], got["pp=2 m=2 1f1b"]["now"]
+  each = 0.9e-3 * 1.1 / 1e-3
+  count = round((tp[1] - tp[0]) / each)
+  assert count >= 1 and tp[1] - tp[0] == pytest.approx(count * each), tp
+  assert pipe[1] == pytest.approx(pipe[0]), pipe

@@ -184,6 +184,7 @@ def versus_hand_rule():
 
 def measured(specs):
   """Predicted against measured step time of the planner's plans on logical CPUs."""
+  import dataclasses  # pylint: disable=import-outside-toplevel
   devices = FLAGS.devices
   benchlib.logical_devices("CPU", devices)  # before TensorFlow's runtime starts
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -257,6 +258,7 @@ def measured(specs):
     got = statistics.median(round_medians[(text, label)])
     results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
                     "microbatches": est.candidate.microbatches,
+                    "candidate": dataclasses.asdict(est.candidate),   # to re-price it
                     "predicted": est.step_time, "measured": got, "level": level,
                     "steal": steal,
                     "ratio": est.step_time * level / got,
