@@ -610,24 +610,33 @@ def test_tensor_parallel_sizes_divide_the_heads():
 
 
 def _tp_all_reduces(graph_def):
-  """(the profile's tensor-parallel all-reduces per step, those the tp=2
+  """(the profile's tensor-parallel all-reduces per step, those the
+  planner prices for tp=2 (of the layers it splits), those the tp=2
   rewrite emits on one device)."""
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
   profile = plan_lib.profile_graph(graph_def, 2, "h100-80gb")
+  costing = search_lib.Planner(profile, cluster_lib.from_preset("h100-80gb", 2), 2).costing
+  split_layers = costing.tp_split(space.Candidate(1, 2, 1))
   split = split_graph(graph_def, Mesh({"tp": 2}))
   emitted = [n.device for n in split.graph_def.node if n.op == "CollectiveReduceV2"]
   return (sum(r.tp_collectives for r in profile.layers),
+          sum(r.tp_collectives for r, s in zip(profile.layers, split_layers) if s),
           emitted.count(emitted[0]) if emitted else 0)
 
 
-@pytest.mark.parametrize("name", ["gpt_keras3", "mlp_raw"])
+@pytest.mark.parametrize("name", ["gpt_keras3", "mlp_raw", "mlp_raw_train_small"])
 def test_tensor_parallel_all_reduces_are_those_the_rewrite_emits(name):
   # A block's Q, K and V read one tensor: one all-reduce of its gradient,
   # not one per weight matrix (4 per block, 2 blocks). The MLP's pair starts
-  # at the batch, which has no gradient: its output's all-reduce alone.
-  counted, emitted = _tp_all_reduces(load_graph(_graph(name)))
-  assert counted == emitted == {"gpt_keras3": 8, "mlp_raw": 1}[name]
+  # at the batch, which has no gradient: its output's all-reduce alone. The
+  # planner prices them all: the small MLP's first and last layers are no
+  # repeated blocks, but the preset splits them (two pairs: 3 all-reduces).
+  path = (os.path.join(_ROOT, "examples", name + ".pb") if name.endswith("small")
+          else _graph(name))
+  counted, priced, emitted = _tp_all_reduces(load_graph(path))
+  assert counted == priced == emitted == {"gpt_keras3": 8, "mlp_raw": 1,
+                                          "mlp_raw_train_small": 3}[name]
 
 
 @pytest.mark.slow
@@ -638,8 +647,8 @@ def test_tensor_parallel_all_reduces_of_the_corpus(name):
   from tfsplit.graph import load_graph as load  # pylint: disable=import-outside-toplevel
   ex = example(name)
   graph_def = load(ex.concrete("train"), variable_names=names(ex))
-  counted, emitted = _tp_all_reduces(graph_def)
-  assert counted == emitted > 0
+  counted, priced, emitted = _tp_all_reduces(graph_def)
+  assert counted == priced == emitted > 0
 
 
 def test_plan_json_format_is_the_plan_file(tmp_path, capsys):

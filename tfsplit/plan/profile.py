@@ -64,6 +64,16 @@ class LayerRow:
   # all-reduces its output, a column-parallel one its input's gradient, once
   # per input): 4 in a transformer block.
   tp_collectives: int = 4
+  # Split over tp by the megatron preset: the blocks (unless the plan
+  # replicates them), and any other layer whose weight contractions the
+  # preset pairs (an MLP's first and last dense layers: priced whole, the
+  # example MLPs' tp=2 steps were predicted with 2 of the 3 all-reduces
+  # the rewrite emits, at 0.78-0.81 of their time). None: splittable.
+  tp_split: Optional[bool] = None
+
+  def __post_init__(self):
+    if self.tp_split is None:
+      self.tp_split = self.splittable
 
 
 @dataclasses.dataclass
@@ -245,10 +255,11 @@ def from_analysis(analysis, cost_model, source=None):
   from tfsplit.strategies.megatron import split_all_reduces  # pylint: disable=import-outside-toplevel
   all_reduces = split_all_reduces(graph, shapes, analysis.variables, analysis.roles,
                                   analysis.variable_free)
-  tp_collectives = [0] * len(model)
+  tp_collectives, split_by_preset = [0] * len(model), [False] * len(model)
   for layer in report.layers:
     if layer.name in owner:
       tp_collectives[owner[layer.name]] += sum(all_reduces.get(n, 0) for n in layer.forward)
+      split_by_preset[owner[layer.name]] |= any(n in all_reduces for n in layer.forward)
   rows = []
   for k, layer in enumerate(model):
     flops = layer.forward_flops + layer.backward_flops
@@ -264,6 +275,7 @@ def from_analysis(analysis, cost_model, source=None):
         params=layer.param_bytes,
         slots=layer.slot_bytes, activations=acts[k],
         input_bytes=cuts[k - 1] if k > 0 else 0, splittable=layer.block,
+        tp_split=layer.block or split_by_preset[k],
         max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables))))
   shared = [l for l in report.layers if not l.variables]
   _, other = parts([n for l in shared for n in l.update])

@@ -235,6 +235,7 @@ class Costing(object):
     self.params, self.slots = col("params"), col("slots")
     self.acts, self.inp = col("activations"), col("input_bytes")
     self.split = np.array([r.splittable for r in rows])   # the repeated blocks
+    self.tp_layers = np.array([r.tp_split for r in rows])  # split over tp but replicated
     self.cuts = np.array([float(c) for c in profile.cuts])
     self._links = {}
     self._masks = {}
@@ -250,13 +251,14 @@ class Costing(object):
     self.host_update_scale = device_bw / (HOST_MEMORY_BANDWIDTH / max(hosts.values()))
 
   def tp_split(self, c):
-    """Per layer: whether c splits it over tp (its blocks but the replicated)."""
+    """Per layer: whether c splits it over tp (the layers the preset splits
+    but the blocks c replicates)."""
     if c.tp == 1:
       return np.zeros(self.n, dtype=bool)
     if not c.replicate:
-      return self.split
+      return self.tp_layers
     if c.replicate not in self._masks:
-      mask = self.split.copy()
+      mask = self.tp_layers.copy()
       mask[list(c.replicate)] = False
       self._masks[c.replicate] = mask
     return self._masks[c.replicate]

@@ -124,8 +124,8 @@ def _pairing(graph, shapes, variables, roles):
 
 
 def split_all_reduces(graph, shapes, variables, roles, variable_free):
-  """{contraction node: all-reduces per step} that the preset's split adds,
-  as the rewrite emits them.
+  """{contraction node the preset splits: all-reduces per step its split
+  adds (0, 1)}, as the rewrite emits them.
 
   A row-parallel contraction's partial output is all-reduced forward. The
   gradient of a column-parallel contraction's input is partial on each
@@ -137,7 +137,7 @@ def split_all_reduces(graph, shapes, variables, roles, variable_free):
   replicated terms to the partial ones, and each is all-reduced first.
   """
   contractions, kind = _pairing(graph, shapes, variables, roles)
-  count, readers = {}, collections.defaultdict(list)
+  count, readers = dict.fromkeys(kind, 0), collections.defaultdict(list)
   for name, operand, _, _ in contractions:
     if kind.get(name) == "row":
       count[name] = 1
