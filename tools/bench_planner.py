@@ -50,6 +50,7 @@ common hand rule.
    planner's cut); --calibration FILE reuses (or writes) the table, so that
    several runs share one calibration.
 """
+import dataclasses
 import os
 import statistics
 import time
@@ -139,7 +140,6 @@ def timing():
 
 def traced_graph(blocks):
   """Plans a traced `blocks`-block GPT training graph of the example zoo."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
   import models  # pylint: disable=import-outside-toplevel
   from models import example, raw  # pylint: disable=import-outside-toplevel
   from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
@@ -184,7 +184,6 @@ def versus_hand_rule():
 
 def measured(specs):
   """Predicted against measured step time of the planner's plans on logical CPUs."""
-  import dataclasses  # pylint: disable=import-outside-toplevel
   devices = FLAGS.devices
   benchlib.logical_devices("CPU", devices)  # before TensorFlow's runtime starts
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -227,7 +226,7 @@ def measured(specs):
         e.candidate == space.Candidate(devices, 1, 1) for e in chosen):
       chosen.append(planner.costing.evaluate(space.Candidate(devices, 1, 1),
                                              [(0, planner.costing.n)]))
-    fixed = [planner.price(c) for c in mesh_candidates(FLAGS.meshes)]
+    fixed = [planner.price(c) for c in benchlib.mesh_candidates(FLAGS.meshes)]
     chosen += [e for e in fixed if e is not None and
                all(e.candidate != x.candidate for x in chosen)]
     inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=0)]
@@ -316,19 +315,6 @@ def measured_in_processes(specs):
                       "median"], rows, "<<>>>>", indent="  "))
   if FLAGS.measure_only:
     benchlib.print_result(results)
-
-
-def mesh_candidates(text):
-  """Candidates of --meshes: 'dp=2,tp=2 m=2;pp=2' (1f1b, no ZeRO)."""
-  from tfsplit.plan import space  # pylint: disable=import-outside-toplevel
-  out = []
-  for item in filter(None, (t.strip() for t in text.split(";"))):
-    mesh, _, rest = item.partition(" ")
-    axes = dict(a.split("=") for a in mesh.split(","))
-    m = int(rest.strip().partition("=")[2] or 1) if rest.strip() else 1
-    out.append(space.Candidate(int(axes.get("dp", 1)), int(axes.get("tp", 1)),
-                               int(axes.get("pp", 1)), m))
-  return out
 
 
 def main(argv):

@@ -206,3 +206,17 @@ def timing_columns(samples, round_medians):
   rounds = [t * 1e3 for t in round_medians]
   return (f"{statistics.median(s):>8.2f} {percentile(s, 0.1):>7.2f} "
           f"{percentile(s, 0.9):>7.2f} {min(rounds):>7.2f}-{max(rounds):<7.2f}")
+
+
+def mesh_candidates(text):
+  """Candidates of bench_planner.py's --meshes: 'dp=2,tp=2 m=2;pp=2' (1f1b,
+  no ZeRO)."""
+  from tfsplit.plan import space  # pylint: disable=import-outside-toplevel
+  out = []
+  for item in filter(None, (t.strip() for t in text.split(";"))):
+    mesh, _, rest = item.partition(" ")
+    axes = dict(a.split("=") for a in mesh.split(","))
+    m = int(rest.strip().partition("=")[2] or 1) if rest.strip() else 1
+    out.append(space.Candidate(int(axes.get("dp", 1)), int(axes.get("tp", 1)),
+                               int(axes.get("pp", 1)), m))
+  return out

@@ -54,9 +54,7 @@ def candidate_of(row):
   if fields:
     return space.Candidate(**{k: tuple(v) if isinstance(v, list) else v
                               for k, v in fields.items()})
-  axes = dict(a.split("=") for a in row["mesh"].split(","))
-  return space.Candidate(int(axes.get("dp", 1)), int(axes.get("tp", 1)),
-                         int(axes.get("pp", 1)), int(row["microbatches"]))
+  return benchlib.mesh_candidates(f"{row['mesh']} m={row['microbatches']}")[0]
 
 
 def reprice(runs, devices):

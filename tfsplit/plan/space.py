@@ -235,7 +235,7 @@ class Costing(object):
     self.params, self.slots = col("params"), col("slots")
     self.acts, self.inp = col("activations"), col("input_bytes")
     self.split = np.array([r.splittable for r in rows])   # the repeated blocks
-    self.tp_layers = np.array([r.tp_split for r in rows])  # split over tp but replicated
+    self.tp_layers = np.array([r.tp_split for r in rows])  # the layers the preset splits over tp
     self.cuts = np.array([float(c) for c in profile.cuts])
     self._links = {}
     self._masks = {}
