@@ -724,3 +724,30 @@ def test_reprice_planner_prices_measured_plans_again_from_their_tables(tmp_path)
   count = round((tp[1] - tp[0]) / each)
   assert count >= 1 and tp[1] - tp[0] == pytest.approx(count * each), tp
   assert pipe[1] == pytest.approx(pipe[0]), pipe
+
+
+def test_reprice_planner_bad_input_is_one_line_and_exit_2(tmp_path):
+  # A log without bench_planner's result line, a row without what pricing
+  # needs, an unreadable table: one line naming the file, exit 2.
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+  table, broken = str(tmp_path / "table.json"), str(tmp_path / "broken.json")
+  op_cost.CostTable(concurrency=1.3).save(table)
+  with open(broken, "w", encoding="utf-8") as f:
+    f.write("{")
+  no_result, no_keys, good = (str(tmp_path / n) for n in ("a.log", "b.log", "c.log"))
+  with open(no_result, "w", encoding="utf-8") as f:
+    f.write("predicted vs measured ...\n")
+  with open(no_keys, "w", encoding="utf-8") as f:
+    f.write('@bench-result [{"model": "mlp_raw:small"}]\n')
+  with open(good, "w", encoding="utf-8") as f:
+    f.write('@bench-result [{"model": "mlp_raw:small", "plan": "dp=2 m=1", "mesh": "dp=2", '
+            '"microbatches": 1, "measured": 1e-3, "level": 1.0, "ratio": 1.0}]\n')
+  for pair, named in ((f"{table}={no_result}", no_result), (f"{table}={no_keys}", no_keys),
+                      (f"{broken}={good}", broken)):
+    proc = subprocess.run([sys.executable, os.path.join(_ROOT, "tools", "reprice_planner.py"),
+                           pair], capture_output=True, text=True, timeout=300, check=False)
+    lines = [l for l in proc.stderr.splitlines() if l.startswith("reprice_planner:")]
+    assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr
+    assert "Traceback" not in proc.stderr

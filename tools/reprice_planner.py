@@ -33,6 +33,10 @@ flags.DEFINE_float("band", 0.25, "A plan's median ratio counts as within 1 +- th
 flags.DEFINE_bool("json", False, "Also print the rows as a result line.")
 
 
+# What a row of bench_planner's --measure result needs to be priced again.
+ROW_KEYS = ("model", "plan", "mesh", "microbatches", "measured", "level", "ratio")
+
+
 def read_rows(path):
   """The rows of the last result line bench_planner printed into `path`."""
   rows = None
@@ -43,6 +47,11 @@ def read_rows(path):
   if rows is None:
     raise ValueError(f"{path}: no '{benchlib.RESULT_MARK.strip()}' line (a "
                      "bench_planner.py --measure ... --measure_only output)")
+  for row in rows:
+    missing = [k for k in ROW_KEYS if not isinstance(row, dict) or k not in row]
+    if missing:
+      raise ValueError(f"{path}: a result row without {', '.join(missing)}; give the "
+                       "output of bench_planner.py --measure ... --processes 1 --measure_only")
   return rows
 
 
@@ -106,14 +115,19 @@ def main(argv):
   if not pairs or any("=" not in p for p in pairs):
     raise app.UsageError("give TABLE.json=RESULT.log pairs (bench_planner.py --measure "
                          "... --calibration TABLE.json --measure_only > RESULT.log)")
-  runs = []
-  for pair in pairs:
-    table, _, log = pair.partition("=")
-    for path in (table, log):
-      if not os.path.exists(path):
-        raise app.UsageError(f"{path}: no such file")
-    runs.append((table, read_rows(log)))
-  cells = reprice(runs, FLAGS.devices)
+  from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+  try:   # bad input: one line, exit 2
+    runs = []
+    for pair in pairs:
+      table, _, log = pair.partition("=")
+      for path in (table, log):
+        if not os.path.exists(path):
+          raise ValueError(f"{path}: no such file")
+      runs.append((table, read_rows(log)))
+    cells = reprice(runs, FLAGS.devices)
+  except (ValueError, TfsplitError) as e:
+    print(f"reprice_planner: {e}", file=sys.stderr)
+    return 2
   rows = [[model, plan, " ".join(f"{a:.2f}" for a, _ in r),
            " ".join(f"{b:.2f}" for _, b in r),
            f"{statistics.median(a for a, _ in r):.2f}", f"{statistics.median(b for _, b in r):.2f}"]
