@@ -60,6 +60,35 @@ def test_noise_widens_only_that_tensor():
   assert not compare.compare("value", "k_bias", want * -1, want).ok
 
 
+def test_a_tensor_that_is_rounding_noise_stays_within_ten_times_its_size():
+  # Adam's second moment of an identically zero gradient (an attention key
+  # bias) is the noise squared: the reversed batch moved it by half its size,
+  # a tp=2 split by five times it.
+  want = np.array([1.9e-20, 4e-21], np.float32)
+  alt = np.array([9.6e-21, 8e-21], np.float32)
+  got = want + np.float32(9.9e-20)
+  noise = compare.noise(want, alt)
+  assert compare.compare("value", "k_bias velocity", got, want, noise_abs=noise).ok
+  # Break check: a value far above what the noise can reach still fails...
+  assert not compare.compare("value", "k_bias velocity", want * 200, want,
+                             noise_abs=noise).ok
+  # ...and a tensor the reference reproduces (signal) is held to its own scale.
+  signal = np.array([1.0, -0.5], np.float32)
+  assert not compare.compare("value", "kernel", signal * 1.01, signal, noise_abs=1e-6).ok
+  # The same through compare_variables (value, update and copies of each shard).
+  start = {"v": np.zeros([2], np.float32)}
+  manifest = {"v": {"shape": [2], "shards": [
+      {"name": f"v/shard_{d}", "device": f"CPU:{d}", "offsets": [0], "shape": [2]}
+      for d in range(2)]}}
+
+  def report(factor):
+    shards = {f"v/shard_{d}": got * factor for d in range(2)}
+    return compare.Report(compare.compare_variables(manifest, start, {"v": want}, shards,
+                                                    {"v": alt}), 1e-4)
+  assert report(1).ok
+  assert not report(20).ok
+
+
 def test_batch_order_dependent_graphs_get_no_noise_term():
   pairs = [(np.ones(4), np.ones(4) * 2)] * 3      # reversed batch changed everything
   assert not compare.typical_noise_is_small(pairs)
