@@ -119,11 +119,10 @@ def compare(kind, what, got, want, rtol=DEFAULT_RTOL, noise_abs=0.0, scale=None,
   g, w = got.astype(np.float64), want.astype(np.float64)
   diff = np.abs(g - w)
   max_abs = float(diff.max()) if not np.isnan(diff).any() else float("nan")
-  if scale is None:
-    scale = float(np.abs(w).max())
-  scale = max(scale, _floor(want.dtype))
+  own = float(np.abs(w).max())
+  scale = max(own if scale is None else scale, _floor(want.dtype))
   tolerance = rtol * scale + NOISE_FACTOR * noise_abs
-  size = float(np.abs(w).max()) if size is None else size
+  size = own if size is None else size
   if noise_abs > 0 and noise_abs >= NOISE_DOMINATED * size:
     tolerance = max(tolerance, NOISE_FACTOR * size)
     note = note or "rounding noise"
@@ -190,14 +189,18 @@ def compare_variables(manifest, start, want, shard_values, alternative=None,
     s = np.asarray(start[name])
     alt = None if alternative is None else alternative.get(name)
     noise_abs = noise(w, alt)
-    size = float(np.abs(w.astype(np.float64)).max()) if w.size and not _exact(w.dtype) else 0.0
-    update_scale = float(np.abs(w.astype(np.float64) - s.astype(np.float64)).max()) \
-        if w.size and not _exact(w.dtype) else None
+    # The whole tensor's size and largest update (a shard's comparisons
+    # weigh against them; integer tensors compare exactly).
+    size = update_scale = None
+    if w.size and not _exact(w.dtype):
+      w64 = w.astype(np.float64)
+      size = float(np.abs(w64).max())
+      update_scale = float(np.abs(w64 - s.astype(np.float64)).max())
     by_block = {}
     for device, shard_name, sl in shards:
       where = f"{name} on {device}" if device else name
       got = np.asarray(shard_values[shard_name])
-      value_scale = float(np.abs(w).max()) if w.size else None
+      value_scale = size
       if update_scale is not None and rtol:
         # A variable's value is its start plus its updates; the part that
         # moved is held to the update's tolerance, not 1e-4 of itself (a
