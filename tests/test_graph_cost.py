@@ -500,3 +500,70 @@ def test_take_turns_lengthens_the_turns_of_short_steps():
   assert calls["short"] == 2 + 3 * per_turn
   samples, _ = timing.take_turns(steps, warmup=2, rounds=3, steps=2, min_turn=0)
   assert len(samples["short"]) == 3 * 2
+
+
+def test_exchanging_step_copies_compute_the_plain_step_over_their_collectives():
+  # What a collective costs inside a step is timed on copies of the MLP
+  # step that all-reduce (mean) each block's output and its gradient over
+  # the copies: 2 collectives a block, one instance each, over all copies.
+  # Identical copies' mean is the value itself, so each copy must compute
+  # the plain step's updates exactly (a sum, or a gradient left out of the
+  # exchange, changes them), and the collectives must be what is counted.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  plain = calibrate._training_graph(2, 4, 1, 16)  # pylint: disable=protected-access
+  exchanging = calibrate._training_graph(2, 4, 1, 16, exchange_over=2)  # pylint: disable=protected-access
+  collectives = [n for n in exchanging.node if n.op == "CollectiveReduceV2"]
+  assert not [n for n in plain.node if n.op.startswith("Collective")]
+  assert len(collectives) == 2 * 2
+  consts = {n.name: tf.make_ndarray(n.attr["value"].tensor) for n in exchanging.node
+            if n.op == "Const"}
+  # CollectiveReduceV2's inputs: input, group_size, group_key, instance_key.
+  assert {int(consts[n.input[1]]) for n in collectives} == {2}
+  assert len({int(consts[n.input[3]]) for n in collectives}) == len(collectives)
+  ends = sorted(n.name for n in plain.node if n.name.startswith("update/") and n.op == "Identity")
+  assert ends and ends == sorted(n.name for n in exchanging.node
+                                 if n.name.startswith("update/") and n.op == "Identity")
+
+  def updates(graph_def, copies):
+    (run, args), sess = calibrate._copies_session(graph_def, copies)  # pylint: disable=protected-access
+    try:
+      run(*args)
+      return sess.run({(d, e): f"copy{d}/{e}:0" for d in range(copies) for e in ends})
+    finally:
+      sess.close()
+
+  want = updates(plain, 1)
+  got = updates(exchanging, 2)
+  for (d, e), value in got.items():
+    np.testing.assert_allclose(value, want[(0, e)], rtol=1e-6,
+                               atol=1e-7 * float(np.abs(want[(0, e)]).max()),
+                               err_msg=f"copy {d}: {e}")
+
+
+def test_a_collective_is_priced_at_its_in_step_cost_never_below_the_chains(monkeypatch):
+  # A collective inside a step costs more than in a chain of them alone
+  # (the devices' threads are busy with the step's ops); the table prices
+  # the in-step cost, and the chain's where the steps read less (their
+  # difference is then noise).
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  chain = {2: 60e-6, 4: 130e-6}
+  monkeypatch.setattr(calibrate, "_unit_seconds",
+                      lambda kind, repeats, devices=2: chain[devices] if kind == "collective"
+                      else 5e-6)
+  monkeypatch.setattr(calibrate, "step_concurrency", lambda repeats: (
+      {2: 1.3, 4: 1.3}, {2: [1.3], 4: [1.3]}, {2: 200e-6, 4: 100e-6}))
+  got = calibrate.device_benchmark(1)
+  assert got["collective"] == pytest.approx({2: 200e-6, 4: 130e-6})
+  assert got["chain"] == chain and got["transfer"] == 5e-6
+  assert got["concurrency"] == {2: 1.3, 4: 1.3}
+
+
+def test_a_collectives_in_step_cost_is_the_exchanges_added_time_over_their_count():
+  # Over the MLP-shaped steps' copies: what exchanging added to each, summed,
+  # over the collectives they ran (the step with the most weighs most).
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  x = calibrate.EXCHANGE
+  seconds = {(4, 2): 1e-3, (4, 2, x): 2.6e-3, (5, 2): 2e-3, (5, 2, x): 2.4e-3,
+             (4, 4): 2e-3, (4, 4, x): 6.8e-3, (5, 4): 3e-3, (5, 4, x): 3e-3}
+  got = calibrate.in_step_collective(seconds, {4: 8, 5: 4}, (2, 4))
+  assert got == pytest.approx({2: 2e-3 / 12, 4: 4.8e-3 / 12})

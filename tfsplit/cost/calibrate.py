@@ -36,9 +36,11 @@ graph to be predicted:
   `graph_scale` scales the lines to the steps' untraced times;
 - copies of the training steps on two and four logical CPUs, run in
   lockstep: how much of their work overlaps (`concurrency`: 1 where the
-  devices' work runs one after the other); chains over them: the fixed
-  cost of one collective over them all; between two, of one cross-device
-  transfer.
+  devices' work runs one after the other); the MLP-shaped ones' copies
+  also all-reducing each block's output and gradient over them, in the
+  same turns: the fixed cost of one collective over them all inside a
+  step (at least what a chain of collectives alone gives); between two
+  devices, a chain's cost of one cross-device transfer.
 Untraced times are medians over rounds of repeated runs, as a step is
 timed; the training steps take turns in the rounds, with the call of a
 2-op function that is a step's launch cost. Traced
@@ -48,6 +50,7 @@ for the cores), which would skew one op type against another; the level
 of a step comes from the untraced medians.
 """
 import collections
+import itertools
 import os
 import platform
 import statistics
@@ -70,6 +73,8 @@ _ELEMENT_SIZES = (64, 1024, 16384, 262144)
 _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
 _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are measured on
+_EXCHANGE_GROUP = 100     # group keys of the steps' collectives (+ the group's size)
+EXCHANGE = "exchange"     # key of a step's exchanging copies (_exchanging_copies)
 # (blocks, batch, sequence, hidden) of the small training steps whose ops
 # are timed where they run, inside a step; sequence 1 is an MLP.
 _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
@@ -385,7 +390,7 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
 
 
 def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
-                    first_style=0, microbatches=1):
+                    first_style=0, microbatches=1, exchange_over=0):
   """A small transformer's training step (forward, tf.gradients, an Adam
   update) with its weights and optimizer state fed: the op mix and the
   parallel structure of a real step, which chains of one op lack. Inside a
@@ -398,8 +403,30 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
   With `microbatches` m, the forward and backward run on m slices of the
   batch one after another, as the micro-batch rewrite orders them (slice
   j + 1 waits for slice j's gradients to join the running sums), and the
-  update (under the name scope 'update') runs once on the sums."""
+  update (under the name scope 'update') runs once on the sums.
+
+  With `exchange_over` n > 1, each block's output is all-reduced over n
+  copies of the step (one per logical CPU, _copies_session), and so is its
+  gradient: 2 collectives per block, on the step's critical path as a
+  tensor-parallel layer's are (see in_step_collective)."""
   g = tf.Graph()
+  instances = itertools.count(1)
+
+  def exchange(t):   # the mean over the copies, forward and back
+    if exchange_over < 2:
+      return t
+
+    def mean(u):
+      return tf.raw_ops.CollectiveReduceV2(
+          input=u, group_size=exchange_over, group_key=_EXCHANGE_GROUP + exchange_over,
+          instance_key=next(instances), ordering_token=[], merge_op="Add",
+          final_op="Div", communication_hint="auto", timeout_seconds=0.0)
+
+    @tf.custom_gradient
+    def across(u):
+      return mean(u), mean
+    return across(t)
+
   with g.as_default():
     feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
     tokens = feed([batch * seq, hidden])
@@ -432,6 +459,8 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
       norm = norm if seq > 1 else (lambda t: t)
       hd = hidden // heads
       for i in range(blocks):
+        if i:
+          x = exchange(x)
         if seq == 1:   # an MLP's block: dense, GELU
           h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
           x = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
@@ -476,7 +505,7 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
         h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
         x = x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
                                weight(hidden))
-      logits = tf.linalg.matmul(norm(x), weight(hidden, vocab))
+      logits = tf.linalg.matmul(norm(exchange(x)), weight(hidden, vocab))
       return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
           labels=labels, logits=logits))
 
@@ -534,12 +563,13 @@ def training_steps(repeats, traced, say=None, beside=None):
           {key: seconds[key] for key in beside or {}})
 
 
-def _training_step(k, microbatches=1):
+def _training_step(k, microbatches=1, exchange_over=0):
   """(GraphDef, Graph) of _TRAINING_STEPS[k] in `microbatches`: each style
-  of block (the first block's style is k's) at several sizes."""
+  of block (the first block's style is k's) at several sizes; with
+  `exchange_over`, its blocks' outputs all-reduced over that many copies."""
   blocks, batch, seq, hidden = _TRAINING_STEPS[k]
   graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k,
-                              microbatches=microbatches)
+                              microbatches=microbatches, exchange_over=exchange_over)
   return graph_def, Graph(graph_def)
 
 
@@ -767,16 +797,54 @@ def _copies_session(graph_def, copies, graph=None):
   return (lambda: sess.run(fetches), ()), sess
 
 
+def _exchanging_copies(steps, sessions, counts):
+  """Adds to `steps` n copies of each MLP-shaped training step, plain
+  ((k, n)) and exchanging their blocks' outputs and gradients ((k, n,
+  EXCHANGE), _training_graph's exchange_over), for each n of `counts`;
+  their sessions to `sessions` (to close). Returns {k: collectives per
+  copy}."""
+  exchanges = {}
+  for k, (blocks, _, seq, _) in enumerate(_TRAINING_STEPS):
+    if seq > 1:
+      continue
+    exchanges[k] = 2 * blocks
+    graph_def, graph = _training_step(k)
+    for n in counts:
+      if (k, n) not in steps:
+        steps[(k, n)], sess = _copies_session(graph_def, n, graph)
+        sessions.append(sess)
+      exchanging, exchanging_graph = _training_step(k, exchange_over=n)
+      steps[(k, n, EXCHANGE)], sess = _copies_session(exchanging, n, exchanging_graph)
+      sessions.append(sess)
+  return exchanges
+
+
+def in_step_collective(seconds, exchanges, counts):
+  """{n: seconds one collective over n devices adds to a step}: over the
+  exchanging copies' timed `seconds` ({key: seconds}, keys as
+  _exchanging_copies makes them), what the exchanges added over the plain
+  copies' time, summed, over the collectives they ran (a ratio of sums:
+  the step with the most collectives, the steadiest difference, weighs
+  most)."""
+  return {n: sum(seconds[(k, n, EXCHANGE)] - seconds[(k, n)] for k in exchanges) /
+             sum(exchanges.values()) for n in counts}
+
+
 def step_concurrency(repeats=10):
-  """({n: concurrency}, {n: [each step's n * one / together]}) of n
-  logical CPUs for each count of _DEVICE_COUNTS: n copies of each of
-  _TRAINING_STEPS, one per device, run together in lockstep (as
-  data-parallel replicas and pipeline stages run), against one copy
-  alone, n * one / together; the concurrency is the median over the
-  steps, within [1, n]. The steps' ops are small: each runs on one core
-  or little more, so copies on two devices overlap on a 2-core machine
-  (1.2-1.4 measured) where chains of larger elementwise ops, which spread
-  over the intra-op threads, did not (1.0)."""
+  """({n: concurrency}, {n: [each step's n * one / together]}, {n: seconds
+  per collective in a step}) of n logical CPUs for each count of
+  _DEVICE_COUNTS: n copies of each of _TRAINING_STEPS, one per device, run
+  together in lockstep (as data-parallel replicas and pipeline stages run),
+  against one copy alone, n * one / together; the concurrency is the
+  median over the steps, within [1, n]. The steps' ops are small: each
+  runs on one core or little more, so copies on two devices overlap on a
+  2-core machine (1.2-1.4 measured) where chains of larger elementwise
+  ops, which spread over the intra-op threads, did not (1.0).
+
+  In the same turns, the copies of the MLP-shaped steps exchanging their
+  blocks' outputs and gradients: what a collective adds to a step
+  (in_step_collective). Only those: a transformer-shaped step's time
+  moves by more than its few collectives cost."""
   steps, sessions = {}, []
   for k in range(len(_TRAINING_STEPS)):
     graph_def, graph = _training_step(k)
@@ -784,6 +852,7 @@ def step_concurrency(repeats=10):
       steps[(k, n)], sess = _copies_session(graph_def, n, graph)
       sessions.append(sess)
   try:
+    exchanges = _exchanging_copies(steps, sessions, _DEVICE_COUNTS)
     seconds = _steps_time(steps, repeats)
   finally:
     for sess in sessions:
@@ -791,21 +860,36 @@ def step_concurrency(repeats=10):
   per_step = {n: [n * seconds[(k, 1)] / seconds[(k, n)] for k in range(len(_TRAINING_STEPS))]
               for n in _DEVICE_COUNTS}
   return ({n: min(float(n), max(1.0, statistics.median(r))) for n, r in per_step.items()},
-          per_step)
+          per_step, in_step_collective(seconds, exchanges, _DEVICE_COUNTS))
 
 
 def device_benchmark(repeats=10):
-  """(concurrency, each step's concurrency, seconds per collective, seconds
-  per transfer) of logical CPUs of this process, timed untraced: the first
-  two as step_concurrency returns them, collective as {devices: value} for
-  each count of _DEVICE_COUNTS.
+  """{name: value} of logical CPUs of this process, timed untraced:
 
-  concurrency: n devices' work over the time it takes them together (n:
-  they run in parallel; 1: one after the other, as logical CPUs sharing a
-  machine's cores do), at least 1.
-  """
-  collective = {n: _unit_seconds("collective", repeats, devices=n) for n in _DEVICE_COUNTS}
-  return step_concurrency(repeats) + (collective, _unit_seconds("transfer", repeats))
+    concurrency   {n: concurrency}, per_step {n: [each step's]}
+                  (step_concurrency); n devices' work over the time it
+                  takes them together (n: they run in parallel; 1: one
+                  after the other, as logical CPUs sharing a machine's
+                  cores do), at least 1;
+    chain         {n: seconds per collective in a chain of them alone};
+    in_step       {n: seconds a collective adds to the MLP-shaped steps}
+                  (step_concurrency);
+    collective    {n: seconds per collective}: the in-step cost, at least
+                  the chain's;
+    transfer      seconds per cross-device transfer.
+
+  For n in _DEVICE_COUNTS. Inside a step a collective costs more than in
+  a chain (its devices' threads are busy with the step's ops and wake
+  late): the example models' own all-reduces (each split graph timed
+  against itself with its collectives made identities) added 180-320 us
+  each one morning (MLP and GPT, tp=2 and dp=2) where the chain read
+  84-114 us, and priced at the chain's, the example MLPs' dp and tp
+  splits read 0.66-0.89 of their measured times."""
+  chain = {n: _unit_seconds("collective", repeats, devices=n) for n in _DEVICE_COUNTS}
+  concurrency, per_step, in_step = step_concurrency(repeats)
+  return {"concurrency": concurrency, "per_step": per_step, "chain": chain,
+          "in_step": in_step, "transfer": _unit_seconds("transfer", repeats),
+          "collective": {n: max(chain[n], in_step[n]) for n in _DEVICE_COUNTS}}
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
@@ -885,8 +969,12 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.time_scale, table.op_overhead, table.step_overhead = \
       fit_step_model(runs)
   say("logical devices: concurrency, collectives, transfers")
-  concurrency, per_step, collective, table.transfer_overhead = device_benchmark(repeats)
-  table.machine["step_concurrency"] = {str(n): r for n, r in per_step.items()}
+  devices = device_benchmark(repeats)
+  table.machine["step_concurrency"] = {str(n): r for n, r in devices["per_step"].items()}
+  table.machine["chain_collective"] = {str(n): r for n, r in devices["chain"].items()}
+  table.machine["in_step_collective"] = {str(n): r for n, r in devices["in_step"].items()}
+  concurrency, collective = dict(devices["concurrency"]), dict(devices["collective"])
+  table.transfer_overhead = devices["transfer"]
   table.concurrency, table.collective_overhead = concurrency.pop(2), collective.pop(2)
   table.concurrency_at, table.collective_at = concurrency, collective
   costs = {}
