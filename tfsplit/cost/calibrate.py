@@ -74,7 +74,7 @@ _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
 _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are measured on
 _EXCHANGE_GROUP = 100     # group keys of the steps' collectives (+ the group's size)
-EXCHANGE = "exchange"     # key of a step's exchanging copies (_exchanging_copies)
+EXCHANGE = "exchange"     # key of a step's exchanging copies (step_concurrency)
 # (blocks, batch, sequence, hidden) of the small training steps whose ops
 # are timed where they run, inside a step; sequence 1 is an MLP.
 _TRAINING_STEPS = ((1, 4, 24, 48), (2, 6, 24, 48), (2, 12, 48, 96), (3, 4, 48, 96),
@@ -797,33 +797,12 @@ def _copies_session(graph_def, copies, graph=None):
   return (lambda: sess.run(fetches), ()), sess
 
 
-def _exchanging_copies(steps, sessions, counts):
-  """Adds to `steps` n copies of each MLP-shaped training step, plain
-  ((k, n)) and exchanging their blocks' outputs and gradients ((k, n,
-  EXCHANGE), _training_graph's exchange_over), for each n of `counts`;
-  their sessions to `sessions` (to close). Returns {k: collectives per
-  copy}."""
-  exchanges = {}
-  for k, (blocks, _, seq, _) in enumerate(_TRAINING_STEPS):
-    if seq > 1:
-      continue
-    exchanges[k] = 2 * blocks
-    graph_def, graph = _training_step(k)
-    for n in counts:
-      if (k, n) not in steps:
-        steps[(k, n)], sess = _copies_session(graph_def, n, graph)
-        sessions.append(sess)
-      exchanging, exchanging_graph = _training_step(k, exchange_over=n)
-      steps[(k, n, EXCHANGE)], sess = _copies_session(exchanging, n, exchanging_graph)
-      sessions.append(sess)
-  return exchanges
-
-
 def in_step_collective(seconds, exchanges, counts):
   """{n: seconds one collective over n devices adds to a step}: over the
   exchanging copies' timed `seconds` ({key: seconds}, keys as
-  _exchanging_copies makes them), what the exchanges added over the plain
-  copies' time, summed, over the collectives they ran (a ratio of sums:
+  step_concurrency makes them: (k, n) plain, (k, n, EXCHANGE) exchanging)
+  for the steps of `exchanges` ({k: collectives per copy}), what the
+  exchanges added over the plain copies' time, summed, over the collectives they ran (a ratio of sums:
   the step with the most collectives, the steadiest difference, weighs
   most)."""
   return {n: sum(seconds[(k, n, EXCHANGE)] - seconds[(k, n)] for k in exchanges) /
@@ -845,14 +824,19 @@ def step_concurrency(repeats=10):
   blocks' outputs and gradients: what a collective adds to a step
   (in_step_collective). Only those: a transformer-shaped step's time
   moves by more than its few collectives cost."""
-  steps, sessions = {}, []
-  for k in range(len(_TRAINING_STEPS)):
-    graph_def, graph = _training_step(k)
-    for n in (1,) + _DEVICE_COUNTS:
-      steps[(k, n)], sess = _copies_session(graph_def, n, graph)
-      sessions.append(sess)
+  steps, sessions, exchanges = {}, [], {}
   try:
-    exchanges = _exchanging_copies(steps, sessions, _DEVICE_COUNTS)
+    for k, (blocks, _, seq, _) in enumerate(_TRAINING_STEPS):
+      graph_def, graph = _training_step(k)
+      for n in (1,) + _DEVICE_COUNTS:
+        steps[(k, n)], sess = _copies_session(graph_def, n, graph)
+        sessions.append(sess)
+      if seq == 1:   # MLP-shaped: 2 collectives a block (_training_graph)
+        exchanges[k] = 2 * blocks
+        for n in _DEVICE_COUNTS:
+          exchanging, exchanging_graph = _training_step(k, exchange_over=n)
+          steps[(k, n, EXCHANGE)], sess = _copies_session(exchanging, n, exchanging_graph)
+          sessions.append(sess)
     seconds = _steps_time(steps, repeats)
   finally:
     for sess in sessions:
@@ -970,9 +954,9 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
       fit_step_model(runs)
   say("logical devices: concurrency, collectives, transfers")
   devices = device_benchmark(repeats)
-  table.machine["step_concurrency"] = {str(n): r for n, r in devices["per_step"].items()}
-  table.machine["chain_collective"] = {str(n): r for n, r in devices["chain"].items()}
-  table.machine["in_step_collective"] = {str(n): r for n, r in devices["in_step"].items()}
+  for record, key in (("step_concurrency", "per_step"), ("chain_collective", "chain"),
+                      ("in_step_collective", "in_step")):   # JSON keys are strings
+    table.machine[record] = {str(n): r for n, r in devices[key].items()}
   concurrency, collective = dict(devices["concurrency"]), dict(devices["collective"])
   table.transfer_overhead = devices["transfer"]
   table.concurrency, table.collective_overhead = concurrency.pop(2), collective.pop(2)
