@@ -225,17 +225,20 @@ def test_device_overheads_per_device_count(tmp_path):
   # with its group (a ring's steps), linearly past the last point; the
   # concurrency of more devices than measured is the last one's.
   table = op_cost.CostTable(concurrency=1.4, collective_overhead=1e-4,
-                            concurrency_at={4: 1.1}, collective_at={4: 2.5e-4})
+                            concurrency_at={4: 1.1}, collective_at={4: 2.5e-4},
+                            collective_overlap=0.4)
   path = str(tmp_path / "table.json")
   table.save(path)
   table = op_cost.CostTable.load(path)
   assert table.concurrency_at == {4: 1.1} and table.collective_at == {4: 2.5e-4}
+  assert table.collective_overlap == 0.4
   assert [table.concurrency_for(n) for n in (2, 3, 4, 16)] == [1.4, 1.4, 1.1, 1.1]
   assert [table.collective_for(n) for n in (2, 3, 4, 8)] == pytest.approx(
       [1e-4, 1.75e-4, 2.5e-4, 5.5e-4])
   # An older table (two devices only): a ring of n over one of 2, n - 1 times.
   old = op_cost.CostTable(concurrency=1.4, collective_overhead=1e-4)
   assert (old.concurrency_for(8), old.collective_for(4)) == (1.4, pytest.approx(3e-4))
+  assert old.collective_overlap == 1.0   # unmeasured: groups' collectives in turn
   assert op_cost.CostTable().concurrency_for(4) is None
 
 
@@ -532,12 +535,27 @@ def test_exchanging_step_copies_compute_the_plain_step_over_their_collectives():
     finally:
       sess.close()
 
+  # Two groups of 2 exchanging at once: 4 copies, each group under its own
+  # key (one key for all 4 would wait for 2 members more than the group has).
+  grouped = [calibrate._training_graph(2, 4, 1, 16, exchange_over=2, exchange_group=d // 2)  # pylint: disable=protected-access
+             for d in range(4)]
+
+  def group_keys(graph_def):
+    values = {n.name: tf.make_ndarray(n.attr["value"].tensor) for n in graph_def.node
+              if n.op == "Const"}
+    return {int(values[n.input[2]]) for n in graph_def.node if n.op == "CollectiveReduceV2"}
+
+  keys = [group_keys(g) for g in grouped]
+  assert all(len(k) == 1 for k in keys) and keys[0] == keys[1] != keys[2] == keys[3]
+  assert keys[0] == group_keys(exchanging)
+
   want = updates(plain, 1)
-  got = updates(exchanging, 2)
-  for (d, e), value in got.items():
-    np.testing.assert_allclose(value, want[(0, e)], rtol=1e-6,
-                               atol=1e-7 * float(np.abs(want[(0, e)]).max()),
-                               err_msg=f"copy {d}: {e}")
+  for copies, graph_def in ((2, exchanging), (4, grouped)):
+    got = updates(graph_def, copies)
+    for (d, e), value in got.items():
+      np.testing.assert_allclose(value, want[(0, e)], rtol=1e-6,
+                                 atol=1e-7 * float(np.abs(want[(0, e)]).max()),
+                                 err_msg=f"{copies} copies, copy {d}: {e}")
 
 
 def test_a_collective_is_priced_at_its_in_step_cost_never_below_the_chains(monkeypatch):
@@ -551,19 +569,36 @@ def test_a_collective_is_priced_at_its_in_step_cost_never_below_the_chains(monke
                       lambda kind, repeats, devices=2: chain[devices] if kind == "collective"
                       else 5e-6)
   monkeypatch.setattr(calibrate, "step_concurrency", lambda repeats: (
-      {2: 1.3, 4: 1.3}, {2: [1.3], 4: [1.3]}, {2: 200e-6, 4: 100e-6}))
+      {2: 1.3, 4: 1.3}, {2: [1.3], 4: [1.3]},
+      {(2, 1): 200e-6, (4, 1): 100e-6, (2, 2): 260e-6}))
   got = calibrate.device_benchmark(1)
   assert got["collective"] == pytest.approx({2: 200e-6, 4: 130e-6})
   assert got["chain"] == chain and got["transfer"] == 5e-6
   assert got["concurrency"] == {2: 1.3, 4: 1.3}
+  # Two pairs exchanging at once added 260 us where one pair's added 200:
+  # the second pair's collective cost 0.3 of one.
+  assert got["at_once"] == {(2, 2): 260e-6}
+  assert got["overlap"] == pytest.approx(0.3)
 
 
 def test_a_collectives_in_step_cost_is_the_exchanges_added_time_over_their_count():
   # Over the MLP-shaped steps' copies: what exchanging added to each, summed,
   # over the collectives they ran (the step with the most weighs most).
   from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  # Two groups of 2 exchanging at once are timed against 4 plain copies.
   x = calibrate.EXCHANGE
-  seconds = {(4, 2): 1e-3, (4, 2, x): 2.6e-3, (5, 2): 2e-3, (5, 2, x): 2.4e-3,
-             (4, 4): 2e-3, (4, 4, x): 6.8e-3, (5, 4): 3e-3, (5, 4, x): 3e-3}
-  got = calibrate.in_step_collective(seconds, {4: 8, 5: 4}, (2, 4))
-  assert got == pytest.approx({2: 2e-3 / 12, 4: 4.8e-3 / 12})
+  seconds = {(4, 2): 1e-3, (4, 2, x, 1): 2.6e-3, (5, 2): 2e-3, (5, 2, x, 1): 2.4e-3,
+             (4, 4): 2e-3, (4, 4, x, 1): 6.8e-3, (5, 4): 3e-3, (5, 4, x, 1): 3e-3,
+             (4, 2, x, 2): 4.4e-3, (5, 2, x, 2): 3.6e-3}
+  got = calibrate.in_step_collective(seconds, {4: 8, 5: 4}, ((2, 1), (4, 1), (2, 2)))
+  assert got == pytest.approx({(2, 1): 2e-3 / 12, (4, 1): 4.8e-3 / 12, (2, 2): 3e-3 / 12})
+
+
+def test_collective_overlap_is_the_further_groups_share_within_0_and_1():
+  from tfsplit.cost import calibrate, op_cost  # pylint: disable=import-outside-toplevel
+  assert calibrate.collective_overlap(150e-6, 100e-6, 2) == pytest.approx(0.5)
+  assert calibrate.collective_overlap(300e-6, 100e-6, 3) == pytest.approx(1.0)
+  assert calibrate.collective_overlap(80e-6, 100e-6, 2) == 0.0    # noise below one group's
+  assert calibrate.collective_overlap(500e-6, 100e-6, 2) == 1.0   # no worse than in turn
+  assert op_cost.collectives_at_once(100e-6, 1, 0.4) == pytest.approx(100e-6)
+  assert op_cost.collectives_at_once(100e-6, 3, 0.4) == pytest.approx(180e-6)

@@ -554,6 +554,30 @@ def test_per_op_overhead_does_not_shrink_with_the_micro_batch():
   assert four.pipeline_time == pytest.approx(4 * (12 / 4 + 3))
 
 
+def test_groups_collectives_at_the_same_moments_add_their_measured_share():
+  # On logical devices sharing cores, a dp=2,tp=2 split's two tensor-parallel
+  # pairs all-reduce at the same moments (and so do its two data-parallel
+  # pairs): each moment costs one pair's collective plus `overlap` of one per
+  # further pair. Two blocks of 2 all-reduces each, one gradient bucket and
+  # the loss: 4 tp moments and 2 dp moments of 1 ms, the second pair's at
+  # 0.25 of that; one group (dp=4, tp=2) is priced as before.
+  rows = [profile_lib.LayerRow(f"b{i}", 1e-6, 2e-6, 1e-7, 64, 128, 64, 64, True,
+                               tp_collectives=2) for i in range(2)]
+  cluster = cluster_lib.from_preset("cpu-host", 4, devices_per_host=4)
+
+  def step(candidate, overlap):
+    profile = profile_lib.ModelProfile(rows, [64], batch=8, concurrency=1.0,
+                                       collective_overhead=1e-3, collective_at={4: 3e-3},
+                                       collective_overlap=overlap)
+    return space.Costing(profile, cluster).evaluate(candidate, [(0, 2)]).step_time
+
+  both = space.Candidate(2, 2, 1, 1)
+  assert step(both, 1.0) - step(both, 0.25) == pytest.approx((4 + 2) * 1e-3 * 0.75, rel=1e-6)
+  assert step(both, 0.0) - step(both, 0.25) == pytest.approx(-(4 + 2) * 1e-3 * 0.25, rel=1e-6)
+  for alone in (space.Candidate(4, 1, 1, 1), space.Candidate(1, 2, 1, 1)):
+    assert step(alone, 1.0) == step(alone, 0.25)
+
+
 def test_cluster_spec_with_too_few_devices_is_one_line(tmp_path, capsys):
   spec = tmp_path / "two.json"
   cluster_lib.from_preset("a100-40gb", 2).save(str(spec))

@@ -206,7 +206,8 @@ def measured(specs):
         f"ops in a step x{table.graph_scale:.2f}, concurrency {table.concurrency or 0:.2f} "
         f"(4 devices: {table.concurrency_for(4) or 0:.2f}), collective "
         f"{table.collective_overhead * 1e6:.0f} us (4 devices: "
-        f"{table.collective_for(4) * 1e6:.0f} us), transfer "
+        f"{table.collective_for(4) * 1e6:.0f} us; each further group's at once "
+        f"x{table.collective_overlap:.2f}), transfer "
         f"{table.transfer_overhead * 1e6:.1f} us):")
   steps, priced = {}, []   # every model's plans, timed together
   # The machine's level now against the table's: the calibration's small

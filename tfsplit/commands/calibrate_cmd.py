@@ -54,8 +54,8 @@ def run(fv, args):
       f"{table.step_overhead * 1e6:.3g} us, kernel scale "
       f"{table.time_scale:.3g}, in a step x{table.graph_scale:.3g}; logical devices: "
       f"concurrency {_per_count(table.concurrency or 1, table.concurrency_at, 1)}, "
-      f"collective {_per_count(table.collective_overhead, table.collective_at, 1e6)} us, "
-      f"transfer "
+      f"collective {_per_count(table.collective_overhead, table.collective_at, 1e6)} us "
+      f"(each further group's at once: x{table.collective_overlap:.2g}), transfer "
       f"{table.transfer_overhead * 1e6:.3g} us ({time.perf_counter() - t0:.1f} s)\n")
   return 0
 

@@ -73,7 +73,11 @@ _ELEMENT_SIZES = (64, 1024, 16384, 262144)
 _COPIES = 8  # chained copies of each micro-benchmark op
 _DISPATCH_CHAIN = 400
 _DEVICE_COUNTS = (2, 4)   # logical CPUs the concurrency and collectives are measured on
-_EXCHANGE_GROUP = 100     # group keys of the steps' collectives (+ the group's size)
+# In-step collectives timed (step_concurrency): (n, g), g groups of n
+# copies exchanging at once (a dp=2,tp=2 split runs two tensor-parallel
+# pairs' all-reduces at the same moments, and two data-parallel pairs').
+_EXCHANGES = ((2, 1), (4, 1), (2, 2))
+_EXCHANGE_GROUP = 100     # group keys of the steps' collectives (+ 8 x group + its size)
 EXCHANGE = "exchange"     # key of a step's exchanging copies (step_concurrency)
 # (blocks, batch, sequence, hidden) of the small training steps whose ops
 # are timed where they run, inside a step; sequence 1 is an MLP.
@@ -390,7 +394,7 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
 
 
 def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
-                    first_style=0, microbatches=1, exchange_over=0):
+                    first_style=0, microbatches=1, exchange_over=0, exchange_group=0):
   """A small transformer's training step (forward, tf.gradients, an Adam
   update) with its weights and optimizer state fed: the op mix and the
   parallel structure of a real step, which chains of one op lack. Inside a
@@ -408,9 +412,11 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
   With `exchange_over` n > 1, each block's output is all-reduced over n
   copies of the step (one per logical CPU, _copies_session), and so is its
   gradient: 2 collectives per block, on the step's critical path as a
-  tensor-parallel layer's are (see in_step_collective)."""
+  tensor-parallel layer's are (see in_step_collective); `exchange_group` g
+  numbers the group of n copies, for copies of several groups exchanging
+  at once (their keys differ)."""
   g = tf.Graph()
-  instances = itertools.count(1)
+  instances = itertools.count(1 + 1000 * exchange_group)
 
   def exchange(t):   # the mean over the copies, forward and back
     if exchange_over < 2:
@@ -418,7 +424,8 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
 
     def mean(u):
       return tf.raw_ops.CollectiveReduceV2(
-          input=u, group_size=exchange_over, group_key=_EXCHANGE_GROUP + exchange_over,
+          input=u, group_size=exchange_over,
+          group_key=_EXCHANGE_GROUP + 8 * exchange_group + exchange_over,
           instance_key=next(instances), ordering_token=[], merge_op="Add",
           final_op="Div", communication_hint="auto", timeout_seconds=0.0)
 
@@ -563,13 +570,15 @@ def training_steps(repeats, traced, say=None, beside=None):
           {key: seconds[key] for key in beside or {}})
 
 
-def _training_step(k, microbatches=1, exchange_over=0):
+def _training_step(k, microbatches=1, exchange_over=0, exchange_group=0):
   """(GraphDef, Graph) of _TRAINING_STEPS[k] in `microbatches`: each style
   of block (the first block's style is k's) at several sizes; with
-  `exchange_over`, its blocks' outputs all-reduced over that many copies."""
+  `exchange_over`, its blocks' outputs all-reduced over that many copies
+  (group `exchange_group` of them)."""
   blocks, batch, seq, hidden = _TRAINING_STEPS[k]
   graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k,
-                              microbatches=microbatches, exchange_over=exchange_over)
+                              microbatches=microbatches, exchange_over=exchange_over,
+                              exchange_group=exchange_group)
   return graph_def, Graph(graph_def)
 
 
@@ -770,16 +779,18 @@ def _unit_seconds(kind, repeats, lengths=(20, 120), trials=3, devices=2):
 
 
 def _copies_session(graph_def, copies, graph=None):
-  """A Session running `copies` copies of a training step's GraphDef (graph:
+  """A Session running `copies` copies of a training step's GraphDef (or
+  of a list of one GraphDef per copy, differing only in attributes; graph:
   its Graph, when the caller has it), copy d on logical CPU d, its fed
   weights and optimizer state held in variables there (feeding them would
   cost more than a small step); the (fn, args) of one run, and the session
   (to close)."""
-  graph = graph or Graph(graph_def)
+  per_copy = graph_def if isinstance(graph_def, list) else [graph_def] * copies
+  graph = graph or Graph(per_copy[0])
   ends = [n.name for n in graph.nodes if not graph.consumers(n.name)]
   tf_graph, fetches = tf.Graph(), []
   with tf_graph.as_default():
-    for d in range(copies):
+    for d, graph_def in enumerate(per_copy):
       with tf.device(f"/device:CPU:{d}"):
         reads, rng = {}, np.random.default_rng(0)   # every copy computes the same
         for node in graph.nodes:
@@ -797,21 +808,35 @@ def _copies_session(graph_def, copies, graph=None):
   return (lambda: sess.run(fetches), ()), sess
 
 
-def in_step_collective(seconds, exchanges, counts):
-  """{n: seconds one collective over n devices adds to a step}: over the
-  exchanging copies' timed `seconds` ({key: seconds}, keys as
-  step_concurrency makes them: (k, n) plain, (k, n, EXCHANGE) exchanging)
-  for the steps of `exchanges` ({k: collectives per copy}), what the
-  exchanges added over the plain copies' time, summed, over the collectives they ran (a ratio of sums:
-  the step with the most collectives, the steadiest difference, weighs
-  most)."""
-  return {n: sum(seconds[(k, n, EXCHANGE)] - seconds[(k, n)] for k in exchanges) /
-             sum(exchanges.values()) for n in counts}
+def in_step_collective(seconds, exchanges, shapes=None):
+  """{(n, g): seconds that g groups of n devices, each running one
+  collective at once, add to a step}: over the exchanging copies' timed
+  `seconds` ({key: seconds}, keys as step_concurrency makes them: (k, c)
+  c plain copies, (k, n, EXCHANGE, g) n * g copies exchanging in g groups
+  of n) for the steps of `exchanges` ({k: collectives per copy}), what the
+  exchanges added over as many plain copies' time, summed, over the
+  collectives each copy ran (a ratio of sums: the step with the most
+  collectives, the steadiest difference, weighs most). shapes: the (n, g)
+  to read (default _EXCHANGES)."""
+  count = sum(exchanges.values())
+  return {(n, g): sum(seconds[(k, n, EXCHANGE, g)] - seconds[(k, n * g)]
+                      for k in exchanges) / count
+          for n, g in (shapes or _EXCHANGES)}
+
+
+def collective_overlap(at_once, single, groups):
+  """The share of one collective's cost that each further group running
+  one at the same time adds (0: their waits overlap fully, 1: not at all):
+  from `at_once`, seconds that `groups` groups' collectives at once add,
+  and `single`, one group's; within [0, 1]."""
+  if single <= 0 or groups < 2:
+    return 1.0
+  return min(1.0, max(0.0, (at_once / single - 1.0) / (groups - 1)))
 
 
 def step_concurrency(repeats=10):
-  """({n: concurrency}, {n: [each step's n * one / together]}, {n: seconds
-  per collective in a step}) of n logical CPUs for each count of
+  """({n: concurrency}, {n: [each step's n * one / together]}, {(n, g):
+  seconds per collective in a step, g groups of n at once}) of n logical CPUs for each count of
   _DEVICE_COUNTS: n copies of each of _TRAINING_STEPS, one per device, run
   together in lockstep (as data-parallel replicas and pipeline stages run),
   against one copy alone, n * one / together; the concurrency is the
@@ -821,7 +846,8 @@ def step_concurrency(repeats=10):
   ops, which spread over the intra-op threads, did not (1.0).
 
   In the same turns, the copies of the MLP-shaped steps exchanging their
-  blocks' outputs and gradients: what a collective adds to a step
+  blocks' outputs and gradients, alone and in groups exchanging side by
+  side (_EXCHANGES): what a collective adds to a step
   (in_step_collective). Only those: a transformer-shaped step's time
   moves by more than its few collectives cost."""
   steps, sessions, exchanges = {}, [], {}
@@ -833,9 +859,10 @@ def step_concurrency(repeats=10):
         sessions.append(sess)
       if seq == 1:   # MLP-shaped: 2 collectives a block (_training_graph)
         exchanges[k] = 2 * blocks
-        for n in _DEVICE_COUNTS:
-          exchanging, exchanging_graph = _training_step(k, exchange_over=n)
-          steps[(k, n, EXCHANGE)], sess = _copies_session(exchanging, n, exchanging_graph)
+        for n, groups in _EXCHANGES:
+          per_copy = [_training_step(k, exchange_over=n, exchange_group=d // n)[0]
+                      for d in range(n * groups)]
+          steps[(k, n, EXCHANGE, groups)], sess = _copies_session(per_copy, n * groups)
           sessions.append(sess)
     seconds = _steps_time(steps, repeats)
   finally:
@@ -844,7 +871,7 @@ def step_concurrency(repeats=10):
   per_step = {n: [n * seconds[(k, 1)] / seconds[(k, n)] for k in range(len(_TRAINING_STEPS))]
               for n in _DEVICE_COUNTS}
   return ({n: min(float(n), max(1.0, statistics.median(r))) for n, r in per_step.items()},
-          per_step, in_step_collective(seconds, exchanges, _DEVICE_COUNTS))
+          per_step, in_step_collective(seconds, exchanges))
 
 
 def device_benchmark(repeats=10):
@@ -860,6 +887,11 @@ def device_benchmark(repeats=10):
                   (step_concurrency);
     collective    {n: seconds per collective}: the in-step cost, at least
                   the chain's;
+    at_once       {(n, g): seconds that g groups' collectives over n
+                  devices each add when they run at the same moments}, g > 1;
+    overlap       the share of a collective's cost each further group
+                  running one at once adds (collective_overlap, from the
+                  first of at_once);
     transfer      seconds per cross-device transfer.
 
   For n in _DEVICE_COUNTS. Inside a step a collective costs more than in
@@ -871,9 +903,14 @@ def device_benchmark(repeats=10):
   splits read 0.66-0.89 of their measured times."""
   chain = {n: _unit_seconds("collective", repeats, devices=n) for n in _DEVICE_COUNTS}
   concurrency, per_step, in_step = step_concurrency(repeats)
+  collective = {n: max(chain[n], in_step[(n, 1)]) for n in _DEVICE_COUNTS}
+  at_once = {shape: t for shape, t in in_step.items() if shape[1] > 1}
+  n, groups = next(iter(at_once))
   return {"concurrency": concurrency, "per_step": per_step, "chain": chain,
-          "in_step": in_step, "transfer": _unit_seconds("transfer", repeats),
-          "collective": {n: max(chain[n], in_step[n]) for n in _DEVICE_COUNTS}}
+          "in_step": {n: t for (n, g), t in in_step.items() if g == 1},
+          "transfer": _unit_seconds("transfer", repeats), "collective": collective,
+          "at_once": at_once,
+          "overlap": collective_overlap(at_once[(n, groups)], collective[n], groups)}
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
@@ -961,6 +998,9 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.transfer_overhead = devices["transfer"]
   table.concurrency, table.collective_overhead = concurrency.pop(2), collective.pop(2)
   table.concurrency_at, table.collective_at = concurrency, collective
+  table.machine["in_step_collectives_at_once"] = {f"{n}x{g}": t
+                                                 for (n, g), t in devices["at_once"].items()}
+  table.collective_overlap = devices["overlap"]
   costs = {}
   best_flops = best_bw = 0.0
   for node in graph.nodes:

@@ -307,6 +307,10 @@ class CostTable:
     of one tensor sent to another logical device.
   concurrency_at / collective_at: the same measured over more devices
     ({devices: value}; see concurrency_for and collective_for).
+  collective_overlap: the share of one group's collective cost that each
+    further group running one at the same moment adds (two tensor-parallel
+    pairs of a dp=2,tp=2 split all-reduce side by side; their waits partly
+    overlap): 0 fully, 1 (unmeasured) not at all; see collectives_at_once.
   machine: where it was measured (platform, cores, TensorFlow), and
     'training_steps': seconds of each of calibrate's small synthetic
     training steps then, the machine's level (a benchmark times them again
@@ -330,6 +334,7 @@ class CostTable:
   transfer_overhead: float = 0.0
   concurrency_at: dict = dataclasses.field(default_factory=dict)
   collective_at: dict = dataclasses.field(default_factory=dict)
+  collective_overlap: float = 1.0
 
   def concurrency_for(self, devices):
     """How many of `devices` logical devices compute at once (None: they
@@ -377,6 +382,7 @@ class CostTable:
             "transfer_overhead": self.transfer_overhead,
             "concurrency_at": {str(k): v for k, v in sorted(self.concurrency_at.items())},
             "collective_at": {str(k): v for k, v in sorted(self.collective_at.items())},
+            "collective_overlap": self.collective_overlap,
             "entries": dict(sorted(self.entries.items()))}
 
   def save(self, path):
@@ -414,7 +420,8 @@ class CostTable:
                  concurrency_at={int(k): float(v) for k, v in
                                  (obj.get("concurrency_at") or {}).items()},
                  collective_at={int(k): float(v) for k, v in
-                                (obj.get("collective_at") or {}).items()})
+                                (obj.get("collective_at") or {}).items()},
+                 collective_overlap=float(obj.get("collective_overlap", 1.0)))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise CostTableError(f"calibration table '{path}': malformed ({e}); "
                            "rerun 'tfsplit calibrate'") from None
@@ -456,6 +463,13 @@ def concurrency_for(points, devices):
   the cores, more devices add no parallelism)."""
   below = [k for k in points if k <= devices]
   return points[max(below)] if below else 1.0
+
+
+def collectives_at_once(seconds, groups, overlap):
+  """Seconds that `groups` groups' collectives add when each runs one at
+  the same moment, one alone taking `seconds`: each further group adds
+  `overlap` of it (1: as many collectives one after another)."""
+  return seconds * (1.0 + max(0, groups - 1) * overlap)
 
 
 def collective_for(points, group):

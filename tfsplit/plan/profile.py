@@ -95,6 +95,9 @@ class ModelProfile:
   # The same two measured over more devices: {devices: value}.
   concurrency_at: dict = dataclasses.field(default_factory=dict)
   collective_at: dict = dataclasses.field(default_factory=dict)
+  # The share of a collective's cost each further group running one at
+  # the same moment adds (CostTable.collective_overlap).
+  collective_overlap: float = 1.0
   # Data parallelism adds per step: an all-reduce of each step output
   # computed from the batch (the loss), and per gradient bucket a concat
   # before its all-reduce and a split after it on every replica, priced
@@ -115,11 +118,13 @@ class ModelProfile:
     from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
     return op_cost.concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
 
-  def collective_for(self, group):
-    """Fixed seconds of one collective over `group` logical devices."""
+  def collective_for(self, group, groups=1):
+    """Fixed seconds of one collective over `group` logical devices; with
+    `groups`, of that many groups' collectives at the same moment."""
     from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
-    return op_cost.collective_for({2: self.collective_overhead, **self.collective_at},
-                                  group)
+    return op_cost.collectives_at_once(
+        op_cost.collective_for({2: self.collective_overhead, **self.collective_at}, group),
+        groups, self.collective_overlap)
 
   @property
   def names(self):
@@ -298,6 +303,8 @@ def from_analysis(analysis, cost_model, source=None):
                       if table is not None else 0.0,
                       concurrency_at=dict(table.concurrency_at) if table is not None else {},
                       collective_at=dict(table.collective_at) if table is not None else {},
+                      collective_overlap=table.collective_overlap if table is not None
+                      else 1.0,
                       step_outputs=step_outputs, bucket_copy=bucket_copy)
 
 

@@ -34,7 +34,8 @@ least all devices' work over the concurrency of that many devices, plus
 the fixed cost of each collective, which grows with its group (per micro-batch and tensor-parallel group, an all-reduce per
 weight matrix of a split layer, 4 in a transformer block; per step, a
 gradient all-reduce per bucket and group, and with ZeRO an all-gather per
-weight) and of each tensor sent across a stage cut (forward and back, per
+weight; groups that run theirs at the same moments, as a dp=2,tp=2 split's
+pairs do, each add part of one: the table's collective_overlap) and of each tensor sent across a stage cut (forward and back, per
 micro-batch and device). Every device pays the fixed time of each of its
 ops (a split layer's ops run on every tp device, a replica's on every dp
 device, each micro-batch's again): that, not the FLOPs, is what splitting
@@ -462,23 +463,26 @@ class Costing(object):
     work = groups * (m * per_micro + per_step)
     # Seconds of the collectives' fixed costs: each over its group's size.
     launches = 0.0
+    # The dp replicas' tensor-parallel groups all-reduce at the same
+    # moments, and so do the tp ranks' data-parallel groups: a moment
+    # costs one group's collective and part of one per further group.
     if c.tp > 1:   # per split layer and micro-batch (half again recomputed)
       per_layer = self.tp_collectives * np.where(again, 1.5, 1.0)
-      launches += (c.dp * m * float(np.where(split, per_layer, 0.0).sum()) *
-                   profile.collective_for(c.tp))
+      launches += (m * float(np.where(split, per_layer, 0.0).sum()) *
+                   profile.collective_for(c.tp, groups=c.dp))
     if c.dp > 1:
       # The step's outputs (the loss), all-reduced over dp once per step.
-      dp_launches = c.tp * profile.step_outputs
+      dp_launches = profile.step_outputs
       fixed, per_byte = profile.bucket_copy
       for j, i in ranges:
         grads = float((self.params[j:i] / tpdiv[j:i]).sum())
         buckets = max(1, math.ceil(grads / self.bucket_bytes))
-        dp_launches += c.tp * buckets
+        dp_launches += buckets
         # Every replica packs and unpacks its buckets.
         work += c.tp * c.dp * (buckets * fixed + grads * per_byte)
         if c.zero:
-          dp_launches += c.tp * float(self.variables[j:i].sum())
-      launches += dp_launches * profile.collective_for(c.dp)
+          dp_launches += float(self.variables[j:i].sum())
+      launches += dp_launches * profile.collective_for(c.dp, groups=c.tp)
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
     transfers = 2 * crossing * groups * m
     return (work / profile.concurrency_for(c.devices) + launches +
