@@ -860,8 +860,9 @@ def step_concurrency(repeats=10):
       if seq == 1:   # MLP-shaped: 2 collectives a block (_training_graph)
         exchanges[k] = 2 * blocks
         for n, groups in _EXCHANGES:
-          per_copy = [_training_step(k, exchange_over=n, exchange_group=d // n)[0]
-                      for d in range(n * groups)]
+          group_steps = [_training_step(k, exchange_over=n, exchange_group=g)[0]
+                         for g in range(groups)]
+          per_copy = [group_steps[d // n] for d in range(n * groups)]
           steps[(k, n, EXCHANGE, groups)], sess = _copies_session(per_copy, n * groups)
           sessions.append(sess)
     seconds = _steps_time(steps, repeats)
