@@ -836,8 +836,8 @@ def collective_overlap(at_once, single, groups):
 
 def step_concurrency(repeats=10):
   """({n: concurrency}, {n: [each step's n * one / together]}, {(n, g):
-  seconds per collective in a step, g groups of n at once}) of n logical CPUs for each count of
-  _DEVICE_COUNTS: n copies of each of _TRAINING_STEPS, one per device, run
+  seconds per collective in a step, g groups of n at once}) of n logical
+  CPUs for each count of _DEVICE_COUNTS: n copies of each of _TRAINING_STEPS, one per device, run
   together in lockstep (as data-parallel replicas and pipeline stages run),
   against one copy alone, n * one / together; the concurrency is the
   median over the steps, within [1, n]. The steps' ops are small: each
@@ -906,12 +906,12 @@ def device_benchmark(repeats=10):
   concurrency, per_step, in_step = step_concurrency(repeats)
   collective = {n: max(chain[n], in_step[(n, 1)]) for n in _DEVICE_COUNTS}
   at_once = {shape: t for shape, t in in_step.items() if shape[1] > 1}
-  n, groups = next(iter(at_once))
+  size, groups = next(iter(at_once))   # _EXCHANGES' first shape of several groups
   return {"concurrency": concurrency, "per_step": per_step, "chain": chain,
           "in_step": {n: t for (n, g), t in in_step.items() if g == 1},
           "transfer": _unit_seconds("transfer", repeats), "collective": collective,
           "at_once": at_once,
-          "overlap": collective_overlap(at_once[(n, groups)], collective[n], groups)}
+          "overlap": collective_overlap(at_once[(size, groups)], collective[size], groups)}
 
 
 def micro_benchmark(repeats=10, traced=5, graph_def=None):
