@@ -505,6 +505,26 @@ def test_take_turns_lengthens_the_turns_of_short_steps():
   assert len(samples["short"]) == 3 * 2
 
 
+def test_fastest_of_rounds_is_the_quietest_rounds_median_call():
+  # Other work only slows a turn: a step slowed in two of three rounds
+  # (a burst of other work during its turn) counts at its third, quiet one;
+  # the median round would be a slowed one.
+  turn = collections.Counter()
+  slow_rounds = {0, 1}
+
+  def fn():
+    turn["calls"] += 1
+    # 2 warm-up calls (slow: then a turn is `steps` calls), then 3 a round
+    rnd = (turn["calls"] - 1 - 2) // 3
+    time.sleep(0.02 if rnd < 0 or rnd in slow_rounds else 0.005)
+    return 0
+
+  fastest = timing.fastest_of_rounds({"step": (fn, ())}, warmup=2, rounds=3, steps=3)
+  turn.clear()
+  median = timing.median_of_rounds({"step": (fn, ())}, warmup=2, rounds=3, steps=3)
+  assert 0.005 <= fastest["step"] < 0.012 <= 0.02 <= median["step"], (fastest, median)
+
+
 def test_exchanging_step_copies_compute_the_plain_step_over_their_collectives():
   # What a collective costs inside a step is timed on copies of the MLP
   # step that all-reduce (mean) each block's output and its gradient over

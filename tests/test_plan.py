@@ -690,7 +690,7 @@ def test_plan_json_format_is_the_plan_file(tmp_path, capsys):
 @pytest.mark.slow
 def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
   # In fresh processes (each its own runtime, 4 logical CPUs, and its own
-  # calibration), costs from the micro-benchmarks alone: the medians of
+  # calibration), costs from the micro-benchmarks alone: the fastest of
   # interleaved rounds of steps of each split against the planner's price
   # for it, at the machine's level while the steps ran (the calibration's
   # small training steps, timed in the same rounds, against their

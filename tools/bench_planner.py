@@ -23,7 +23,7 @@ common hand rule.
    and timed, against their predicted step time: after a warm-up, --rounds
    rounds in which every model's plans take turns (--steps timed steps
    each, after --settle unmeasured ones: a small step timed right after a
-   large one pays for the switch), and the median round. Costs come from a
+   large one pays for the switch), and the fastest round. Costs come from a
    calibration table of the micro-benchmarks alone (`tfsplit calibrate`
    without the graph: chains of ops, small synthetic training steps (the
    transformer-shaped ones also in micro-batches, and copies of them in
@@ -32,11 +32,12 @@ common hand rule.
    graph being predicted would flatter the prediction); the cluster is the
    cpu-host preset with every device in one host. The table's small
    training steps take turns too, after each model's plans: the median
-   over them of each one's time now over its time in the table is the
-   machine's level now against when it was calibrated (other work on a
-   shared machine moves it by a tenth or more between minutes, and one
-   step's time by up to a fifth on its own), printed, and the "x level"
-   column is the prediction at this level over the measurement. With
+   over them of each one's time now (its fastest round beside that
+   model's plans) over its time in the table is the machine's level
+   against when it was calibrated (other work on a shared machine moves
+   it by a tenth or more between minutes, and one step's time by up to a
+   fifth on its own), printed, and the "x level" column is the
+   prediction at the level beside its model over the measurement. With
    --processes K, all of that runs in K fresh processes one after the
    other (each calibrating its own table unless --calibration names one)
    and each plan's median ratio counts: a step's time moves by up to a
@@ -242,35 +243,45 @@ def measured(specs):
       steps[(LEVEL, k, text)] = step
   # All models' plans take turns in each round, so the rounds of one plan
   # spread over the whole run and a burst of other work on the machine
-  # spoils one of its rounds rather than all of a model's; the median round
-  # counts.
+  # spoils one of its rounds rather than all of a model's; the fastest
+  # round counts, as in calibration (other work only slows a round: one
+  # run's rounds of the MLPs' plans spread by 2x, their median rounds 0.6
+  # to 0.8 of the predictions, the fastest 0.66-1.27).
   before = benchlib.cpu_times()
   _, round_medians = benchlib.take_turns(steps, warmup=3, rounds=FLAGS.rounds,
                                          steps=FLAGS.steps, settle=FLAGS.settle)
-  level_now = {k: statistics.median(t for key, times in round_medians.items()
-                                    if key[:2] == (LEVEL, k) for t in times)
-               for k in level_steps}
   steal = benchlib.steal_share(before, benchlib.cpu_times())
-  level = calibrate.machine_level(table, level_now) or 1.0
+  # A model's plans are judged at the level read right after them in each
+  # round: the fastest of as many rounds as the plans' own (the fastest of
+  # every model's rounds would be the least of six times as many, lower
+  # by that alone).
+  level_now = {text: {k: min(round_medians[(LEVEL, k, text)]) for k in level_steps}
+               for text in specs}
+  levels = {text: calibrate.machine_level(table, now) or 1.0
+            for text, now in level_now.items()}
   rows, results = [], []
   for text, rank, est in priced:
-    label = est.label()
-    got = statistics.median(round_medians[(text, label)])
+    label, level = est.label(), levels[text]
+    got = min(round_medians[(text, label)])
     results.append({"model": text, "plan": label, "mesh": est.candidate.mesh,
                     "microbatches": est.candidate.microbatches,
                     "candidate": dataclasses.asdict(est.candidate),   # to re-price it
                     "predicted": est.step_time, "measured": got, "level": level,
                     "steal": steal,
                     "ratio": est.step_time * level / got,
-                    "round_medians": round_medians[(text, label)]})
+                    "round_medians": round_medians[(text, label)],
+                    "level_rounds": {k: round_medians[(LEVEL, k, text)] for k in level_steps}})
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
                  f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
-  if level_now:
-    print(f"  machine level: the calibration's training steps take {level:.2f} x their "
-          "times in the table (the median of " + ", ".join(
-              f"{r:.2f}" for r in calibrate.level_ratios(table, level_now).values()) + ")")
-  else:
-    print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
+  for text in specs:
+    if level_steps:
+      print(f"  machine level beside {text}'s plans: the calibration's training steps take "
+            f"{levels[text]:.2f} x their times in the table (the median of " + ", ".join(
+                f"{r:.2f}" for r in calibrate.level_ratios(table, level_now[text]).values()) +
+            ")")
+    else:
+      print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
+      break
   if steal is not None:
     print(f"  CPU time the host gave other guests while the steps ran (steal): {steal:.0%}")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",

@@ -41,13 +41,13 @@ graph to be predicted:
   same turns: the fixed cost of one collective over them all inside a
   step (at least what a chain of collectives alone gives); between two
   devices, a chain's cost of one cross-device transfer.
-Untraced times are medians over rounds of repeated runs, as a step is
-timed; the training steps take turns in the rounds, with the call of a
+Untraced times are the fastest of rounds of repeated runs (each round's
+median call), as the benchmarks time a plan; the training steps take turns in the rounds, with the call of a
 2-op function that is a step's launch cost. Traced
 op times are each node's fastest run: other work on the machine adds the
 most to the ops that hand work to the intra-op threads (their wake-ups wait
 for the cores), which would skew one op type against another; the level
-of a step comes from the untraced medians.
+of a step comes from the untraced times.
 """
 import collections
 import itertools
@@ -113,7 +113,7 @@ class Profile:
 
   def __init__(self, node_times, step_time, traced_sum):
     self.node_times = node_times   # node name -> [seconds per traced run]
-    self.step_time = step_time     # median untraced call, seconds
+    self.step_time = step_time     # untraced call (fastest round), seconds
     self.traced_sum = traced_sum   # median summed kernel time of a traced run
 
   def fastest(self, name):
@@ -204,31 +204,34 @@ def _function_and_args(graph_def, graph, seed):
 
 
 def _function_step_time(graph_def, graph, repeats, seed):
-  """Median seconds of calling `graph_def` as a TF2 function, untraced.
+  """Seconds of calling `graph_def` as a TF2 function, untraced.
 
   Timed the way a user runs a training step (an eager call of a function,
   which costs more per call than Session.run), on fresh variables, in
-  rounds (timing.median_of_rounds).
+  rounds (_steps_time).
   """
   return _steps_time({0: _function_and_args(graph_def, graph, seed)}, repeats)[0]
 
 
 def _steps_time(steps_by_key, repeats):
-  """{key: median seconds of a call} of {key: (fn, args)} functions timed in
+  """{key: seconds of a call} of {key: (fn, args)} functions timed in
   turns: _ROUNDS rounds of `repeats` calls each, after _WARMUP calls (a
   function's first calls run slower: a GPT-shaped step's first calls
   after tracing took 20, 16, 16 and 16 ms, then 14) and _SETTLE calls per
-  turn. In turns, a burst of other work lands on all the steps rather
-  than on one, whose time alone would then move graph_scale."""
-  return timing.median_of_rounds(steps_by_key, warmup=_WARMUP, rounds=_ROUNDS,
-                                 steps=repeats, settle=_SETTLE)
+  turn; each key's fastest round (timing.fastest_of_rounds: what a step
+  costs when other work leaves the machine to it, as the benchmarks
+  that judge the predictions time the plans). In turns, a burst of other
+  work lands on all the steps rather than on one, whose time alone would
+  then move graph_scale."""
+  return timing.fastest_of_rounds(steps_by_key, warmup=_WARMUP, rounds=_ROUNDS,
+                                  steps=repeats, settle=_SETTLE)
 
 
 def profile_graph(graph_def, repeats=10, traced=5, seed=0):
   """Runs `graph_def`; returns its Profile.
 
   `repeats` untraced calls of the graph as a function in each of _ROUNDS
-  rounds give the step time (median); `traced` FULL_TRACE Session runs the
+  rounds give the step time (the fastest round); `traced` FULL_TRACE Session runs the
   per-node kernel times. Variables are fresh (small random values).
   """
   graph = Graph(graph_def)
@@ -545,8 +548,8 @@ def training_steps(repeats, traced, say=None, beside=None):
   micro-batched variants (_MICROBATCHES), {key: seconds}): each step
   traced alone, then all of them untraced, in turns (_steps_time), so that
   the level of their times (graph_scale, the machine's level) is one
-  moment's; and the median call of each {key: (fn, args)} of `beside`,
-  timed in the same turns."""
+  moment's; and the seconds of a call of each {key: (fn, args)} of
+  `beside`, timed in the same turns."""
   cases = [(k, 1) for k in range(len(_TRAINING_STEPS))]
   cases += [(k, m) for k, (_, batch, seq, _) in enumerate(_TRAINING_STEPS)
             for m in _MICROBATCHES if seq > 1 and batch % m == 0]

@@ -65,3 +65,14 @@ def median_of_rounds(steps_by_name, warmup, rounds, steps, settle=0):
   """{name: seconds}: each step's median round, timed by take_turns."""
   _, round_medians = take_turns(steps_by_name, warmup, rounds, steps, settle)
   return {name: statistics.median(r) for name, r in round_medians.items()}
+
+
+def fastest_of_rounds(steps_by_name, warmup, rounds, steps, settle=0):
+  """{name: seconds}: each step's fastest round (the median call of its
+  quietest turn), timed by take_turns. Other work on a shared machine only
+  ever slows a turn, and by more the smaller the step: one run's rounds of
+  the example MLPs' sub-millisecond steps spread by 2x, with the median
+  round falling anywhere between; the fastest is what the step costs when
+  the machine is the step's."""
+  _, round_medians = take_turns(steps_by_name, warmup, rounds, steps, settle)
+  return {name: min(r) for name, r in round_medians.items()}
