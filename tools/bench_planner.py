@@ -75,7 +75,8 @@ flags.DEFINE_list("measure", [], "Example models (name:size) to plan on logical 
 flags.DEFINE_integer("devices", 4, "With --measure: logical CPU devices.")
 flags.DEFINE_integer("top", 3, "With --measure: plans timed per model.")
 flags.DEFINE_integer("steps", 10, "With --measure: steps per round.")
-flags.DEFINE_integer("rounds", 5, "With --measure: rounds.")
+flags.DEFINE_integer("rounds", 5, "With --measure: rounds (as many as calibration times its "
+                     "steps in: the level compares fastest rounds).")
 flags.DEFINE_integer("settle", 2, "With --measure: unmeasured steps at the start of "
                      "each plan's turn in a round.")
 flags.DEFINE_string("meshes", "", "With --measure: also time these candidates, "
@@ -252,9 +253,10 @@ def measured(specs):
                                          steps=FLAGS.steps, settle=FLAGS.settle)
   steal = benchlib.steal_share(before, benchlib.cpu_times())
   # A model's plans are judged at the level read right after them in each
-  # round: the fastest of as many rounds as the plans' own (the fastest of
-  # every model's rounds would be the least of six times as many, lower
-  # by that alone).
+  # round: the fastest of as many rounds as the plans' own, and as the
+  # table's times of the steps (calibrate's five; the fastest of every
+  # model's rounds would be the least of six times as many, lower by that
+  # alone).
   level_now = {text: {k: min(round_medians[(LEVEL, k, text)]) for k in level_steps}
                for text in specs}
   levels = {text: calibrate.machine_level(table, now) or 1.0
@@ -273,15 +275,12 @@ def measured(specs):
                     "level_rounds": {k: round_medians[(LEVEL, k, text)] for k in level_steps}})
     rows.append([text, rank, label, f"{est.step_time * 1e3:.3g}", f"{got * 1e3:.3g}",
                  f"{est.step_time / got:.2f}", f"{est.step_time * level / got:.2f}"])
-  for text in specs:
-    if level_steps:
-      print(f"  machine level beside {text}'s plans: the calibration's training steps take "
-            f"{levels[text]:.2f} x their times in the table (the median of " + ", ".join(
-                f"{r:.2f}" for r in calibrate.level_ratios(table, level_now[text]).values()) +
-            ")")
-    else:
-      print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
-      break
+  if not level_steps:
+    print("  machine level: unknown (the table keeps no training steps' times), taken as 1")
+  for text in specs if level_steps else ():
+    print(f"  machine level beside {text}'s plans: the calibration's training steps take "
+          f"{levels[text]:.2f} x their times in the table (the median of " + ", ".join(
+              f"{r:.2f}" for r in calibrate.level_ratios(table, level_now[text]).values()) + ")")
   if steal is not None:
     print(f"  CPU time the host gave other guests while the steps ran (steal): {steal:.0%}")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",
