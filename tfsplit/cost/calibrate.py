@@ -42,8 +42,9 @@ graph to be predicted:
   step (at least what a chain of collectives alone gives); between two
   devices, a chain's cost of one cross-device transfer.
 Untraced times are the fastest of rounds of repeated runs (each round's
-median call), as the benchmarks time a plan; the training steps take turns in the rounds, with the call of a
-2-op function that is a step's launch cost. Traced
+median call), as the benchmarks time a plan; the training steps take
+turns in the rounds, with the call of a 2-op function that is a step's
+launch cost. Traced
 op times are each node's fastest run: other work on the machine adds the
 most to the ops that hand work to the intra-op threads (their wake-ups wait
 for the cores), which would skew one op type against another; the level
@@ -231,8 +232,9 @@ def profile_graph(graph_def, repeats=10, traced=5, seed=0):
   """Runs `graph_def`; returns its Profile.
 
   `repeats` untraced calls of the graph as a function in each of _ROUNDS
-  rounds give the step time (the fastest round); `traced` FULL_TRACE Session runs the
-  per-node kernel times. Variables are fresh (small random values).
+  rounds give the step time (the fastest round); `traced` FULL_TRACE
+  Session runs the per-node kernel times. Variables are fresh (small
+  random values).
   """
   graph = Graph(graph_def)
   node_times, traced_sum = _trace_graph(graph_def, graph, traced, seed)
