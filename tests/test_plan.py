@@ -227,6 +227,26 @@ def test_interleaved_and_gpipe_follow_the_pipeline_formulas():
   assert est.stage_memory[0] - est.stage_memory[3] == pytest.approx(3 * act, abs=1)
 
 
+def test_every_pipeline_stage_pays_the_step_overhead():
+  # A stage's device runs its part of the step as its own executor: S
+  # stages cost S fixed step costs; data and tensor parallelism one.
+  rows = [profile_lib.LayerRow(f"l{i}", 1.0, 2.0, 0.0, 4, 8, 100, 0, True)
+          for i in range(8)]
+  cluster = cluster_lib.from_preset("h100-80gb", 4)
+
+  def step(candidate, overhead):
+    profile = profile_lib.ModelProfile(rows, [0] * 7, batch=8, step_overhead=overhead)
+    return space.Costing(profile, cluster).evaluate(
+        candidate, space.even_ranges(8, candidate.chunks)).step_time
+
+  for candidate, stages in ((space.Candidate(1, 1, 4, 8, "1f1b"), 4),
+                            (space.Candidate(1, 1, 2, 2, "gpipe"), 2),
+                            (space.Candidate(1, 1, 2, 4, "interleaved", 2), 2),
+                            (space.Candidate(4, 1, 1, 1), 1),
+                            (space.Candidate(2, 2, 1, 1), 1)):
+    assert step(candidate, 1e-3) - step(candidate, 0.0) == pytest.approx(stages * 1e-3)
+
+
 def test_zero_and_recompute_lower_memory_as_modelled():
   profile = _profile("gpt_raw", "h100-80gb", 4)
   costing = space.Costing(profile, plan_lib.cluster_for("h100-80gb", 4))
