@@ -83,7 +83,7 @@ class ModelProfile:
   batch: int                # global batch (dimension 0 of the inputs)
   other_update: float = 0.0  # seconds of update ops shared by all layers
   static_bytes: int = 0     # inputs and constants, on every device
-  step_overhead: float = 0.0  # seconds every step costs before its first op
+  step_overhead: float = 0.0  # seconds a step costs before its first op, per pipeline stage
   source: Optional[str] = None
   # Logical devices sharing one machine's cores (a calibration table's
   # measurements): how many compute at once (None: every device is its own

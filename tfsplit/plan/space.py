@@ -438,10 +438,9 @@ class Costing(object):
       recompute = (np.array(recomputed)[chunk_stage] if recomputed is not None
                    else np.full(len(ranges), c.recompute == "blocks"))
       step = max(step, self.shared_host_time(c, ranges, recompute))
-    # Each stage's device runs its part of the step as its own executor,
-    # and a pipeline's stages wait on each other: every stage pays a
-    # step's fixed cost (a one-layer-per-stage MLP step on 4 logical CPUs
-    # took 230 us more than on one device, its 6 transfers ~60 us of it).
+    # The launch cost once per stage (module doc): an MLP at one layer per
+    # stage on 4 logical CPUs took 230 us more than on one device, its 6
+    # transfers ~60 us of that.
     return Estimate(candidate=c, ranges=[tuple(r) for r in ranges],
                     step_time=step + S * self.profile.step_overhead,
                     pipeline_time=pipe, sync_time=sync,
