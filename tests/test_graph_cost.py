@@ -287,6 +287,11 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   # The launch cost of a step (a 2-op function call, timed in the same
   # turns as the steps) is part of every step: below the smallest.
   assert 0 < saved["step_overhead"] < min(steps), (saved["step_overhead"], steps)
+  # The MLP steps cut into pipeline stages, timed in the same turns: what
+  # a further stage adds, less than a whole step.
+  assert sorted(saved["machine"]["stage_cuts"]) == sorted(
+      f"{k}x{n}" for k, n in calibrate._STAGE_CUTS)  # pylint: disable=protected-access
+  assert 0 <= saved["stage_overhead"] < min(steps), (saved["stage_overhead"], steps)
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
               "--trace", trace, "--format", "json"]) == 0
@@ -480,6 +485,69 @@ def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
       if stats.node_name.startswith("copy"):
         ran[dev.device[-1]].add(stats.node_name.partition("/")[0])
   assert ran == {"0": {"copy0"}, "1": {"copy1"}}, dict(ran)
+
+
+def test_stage_cut_steps_run_each_block_on_its_stage_and_compute_the_same():
+  # What a further pipeline stage adds is measured on a training step cut
+  # into stages (calibrate.stage_steps): block i, its weights' gradients
+  # and update on logical CPU i * S // blocks, the head on the last. It
+  # must run there (all on one device would measure no stage) and compute
+  # what the uncut step does.
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  whole = calibrate._training_graph(4, 4, 1, 16)  # pylint: disable=protected-access
+  cut = calibrate._training_graph(4, 4, 1, 16, stages=4)  # pylint: disable=protected-access
+  assert [n.name for n in whole.node] == [n.name for n in cut.node]
+
+  def run(graph_def):
+    graph = tf.Graph()
+    with graph.as_default():
+      tf.graph_util.import_graph_def(graph_def, name="")
+    rng = np.random.default_rng(0)
+    feeds = {f"{n.name}:0": calibrate._feed_value(  # pylint: disable=protected-access
+        n.attr["dtype"].type, tf.TensorShape(n.attr["shape"].shape).as_list(), rng)
+             for n in graph_def.node if n.op == "Placeholder"}
+    ends = [f"{n.name}:0" for n in graph_def.node
+            if n.name.startswith("update/") and n.op == "Identity"]
+    config = tf.compat.v1.ConfigProto(allow_soft_placement=False)
+    config.device_count["CPU"] = 4
+    metadata = tf.compat.v1.RunMetadata()
+    with tf.compat.v1.Session(graph=graph, config=config) as sess:
+      out = sess.run(ends, feeds, options=tf.compat.v1.RunOptions(
+          trace_level=tf.compat.v1.RunOptions.FULL_TRACE), run_metadata=metadata)
+    ran = collections.defaultdict(set)
+    for dev in metadata.step_stats.dev_stats:
+      for stats in dev.node_stats:
+        ran[stats.node_name].add(dev.device[-1])
+    return dict(zip(ends, out)), ran
+
+  (plain, _), (staged, ran) = run(whole), run(cut)
+  for name, value in plain.items():
+    np.testing.assert_allclose(staged[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+  # Each block's matmul (Grappler fuses it with its bias add, traced
+  # under the BiasAdd's name) ran on its stage's device, and only there.
+  blocks = [n.name for n in cut.node if n.op == "BiasAdd" and "gradients" not in n.name]
+  assert [ran[name] for name in blocks] == [{"0"}, {"1"}, {"2"}, {"3"}]
+  head = [n.name for n in cut.node if n.op == "MatMul" and "gradients" not in n.name][-1]
+  assert ran[head] == {"3"}
+  # Every weight's update runs where its block does.
+  update_devices = {d for n in cut.node if n.name.startswith("update/") for d in ran[n.name]}
+  assert update_devices == {"0", "1", "2", "3"}
+
+
+def test_further_stage_is_the_median_cut_beyond_its_transfers_paired_by_round():
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  # Round medians: the machine slows in round 2; each round's cut and
+  # uncut steps slow together, so their paired difference does not move.
+  rounds = {4: [600e-6, 900e-6, 610e-6], 5: [900e-6, 1300e-6, 905e-6],
+            (4, 2): [680e-6, 980e-6, 690e-6],      # 80 us a stage
+            (4, 4): [840e-6, 1140e-6, 820e-6],     # 80, 80, 70
+            (5, 2): [950e-6, 1350e-6, 940e-6]}     # 50, 50, 35
+  overhead, per_cut = calibrate.further_stage_seconds(rounds, 10e-6)
+  assert per_cut == pytest.approx({(4, 2): 80e-6, (4, 4): 80e-6, (5, 2): 50e-6})
+  assert overhead == pytest.approx(60e-6)
+  # Cut steps faster than uncut (their devices' work overlapping): 0.
+  faster = {**rounds, (4, 2): [590e-6, 890e-6, 600e-6], (5, 2): [880e-6, 1290e-6, 890e-6]}
+  assert calibrate.further_stage_seconds(faster, 10e-6)[0] == 0.0
 
 
 def test_take_turns_lengthens_the_turns_of_short_steps():

@@ -227,15 +227,17 @@ def test_interleaved_and_gpipe_follow_the_pipeline_formulas():
   assert est.stage_memory[0] - est.stage_memory[3] == pytest.approx(3 * act, abs=1)
 
 
-def test_every_pipeline_stage_pays_the_step_overhead():
-  # A stage's device runs its part of the step as its own executor: S
-  # stages cost S fixed step costs; data and tensor parallelism one.
+def test_a_step_pays_its_launch_once_and_each_further_stage_its_cost():
+  # One launch per step; each further pipeline stage what calibration
+  # measured it adds (stage_overhead), or, with a table from before that
+  # was measured, another launch. Data and tensor parallelism: no stage.
   rows = [profile_lib.LayerRow(f"l{i}", 1.0, 2.0, 0.0, 4, 8, 100, 0, True)
           for i in range(8)]
   cluster = cluster_lib.from_preset("h100-80gb", 4)
 
-  def step(candidate, overhead):
-    profile = profile_lib.ModelProfile(rows, [0] * 7, batch=8, step_overhead=overhead)
+  def step(candidate, launch, stage):
+    profile = profile_lib.ModelProfile(rows, [0] * 7, batch=8, step_overhead=launch,
+                                       stage_overhead=stage)
     return space.Costing(profile, cluster).evaluate(
         candidate, space.even_ranges(8, candidate.chunks)).step_time
 
@@ -244,7 +246,9 @@ def test_every_pipeline_stage_pays_the_step_overhead():
                             (space.Candidate(1, 1, 2, 4, "interleaved", 2), 2),
                             (space.Candidate(4, 1, 1, 1), 1),
                             (space.Candidate(2, 2, 1, 1), 1)):
-    assert step(candidate, 1e-3) - step(candidate, 0.0) == pytest.approx(stages * 1e-3)
+    bare = step(candidate, 0.0, 0.0)
+    assert step(candidate, 1e-3, 2e-4) - bare == pytest.approx(1e-3 + (stages - 1) * 2e-4)
+    assert step(candidate, 1e-3, None) - bare == pytest.approx(stages * 1e-3)
 
 
 def test_zero_and_recompute_lower_memory_as_modelled():
@@ -613,11 +617,11 @@ def test_cluster_spec_with_too_few_devices_is_one_line(tmp_path, capsys):
 def test_calibration_table_overheads_enter_the_profile(tmp_path, capsys):
   from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
   table = tmp_path / "table.json"
-  op_cost.CostTable(op_overhead=1e-5, step_overhead=1e-3, flops=1e11,
+  op_cost.CostTable(op_overhead=1e-5, step_overhead=1e-3, stage_overhead=2e-4, flops=1e11,
                     bandwidth=1e10).save(str(table))
   graph_def = load_graph(_graph("mlp_raw"))
   profile = plan_lib.profile_graph(graph_def, 2, "h100-80gb", str(table))
-  assert profile.step_overhead == 1e-3
+  assert (profile.step_overhead, profile.stage_overhead) == (1e-3, 2e-4)
   assert all(r.forward_fixed > 0 and r.backward_fixed > 0 for r in profile.layers)
   # Per-op overhead is paid per micro-batch: more micro-batches cost time.
   costing = space.Costing(profile, plan_lib.cluster_for("h100-80gb", 2))

@@ -56,8 +56,13 @@ def run(fv, args):
       f"concurrency {_per_count(table.concurrency or 1, table.concurrency_at, 1)}, "
       f"collective {_per_count(table.collective_overhead, table.collective_at, 1e6)} us "
       f"(each further group's at once: x{table.collective_overlap:.2g}), transfer "
-      f"{table.transfer_overhead * 1e6:.3g} us ({time.perf_counter() - t0:.1f} s)\n")
+      f"{table.transfer_overhead * 1e6:.3g} us, each further pipeline stage "
+      f"{_microseconds(table.stage_overhead)} ({time.perf_counter() - t0:.1f} s)\n")
   return 0
+
+
+def _microseconds(seconds):
+  return "unmeasured (too few logical CPUs)" if seconds is None else f"{seconds * 1e6:.3g} us"
 
 
 def _per_count(two, more, scale):

@@ -40,7 +40,10 @@ graph to be predicted:
   also all-reducing each block's output and gradient over them, in the
   same turns: the fixed cost of one collective over them all inside a
   step (at least what a chain of collectives alone gives); between two
-  devices, a chain's cost of one cross-device transfer.
+  devices, a chain's cost of one cross-device transfer;
+- the MLP-shaped steps cut into 2 and 4 pipeline stages, one per logical
+  CPU, in turns with the uncut ones: what each further stage adds to a
+  step beyond its transfers (`stage_overhead`).
 Untraced times are the fastest of rounds of repeated runs (each round's
 median call), as the benchmarks time a plan; the training steps take
 turns in the rounds, with the call of a 2-op function that is a step's
@@ -51,6 +54,7 @@ for the cores), which would skew one op type against another; the level
 of a step comes from the untraced times.
 """
 import collections
+import contextlib
 import itertools
 import os
 import platform
@@ -63,11 +67,12 @@ from absl import logging
 from tensorflow.core.framework import graph_pb2
 
 from tfsplit.cost import op_cost
-from tfsplit.errors import CalibrationError
+from tfsplit.errors import CalibrationError, TfsplitError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph
 from tfsplit.graph.shapes import infer_shapes
 from tfsplit.runtime import timing
+from tfsplit.runtime.devices import ensure_logical_devices
 
 _MATMUL_SIZES = (16, 32, 64, 128, 256, 512)
 _ELEMENT_SIZES = (64, 1024, 16384, 262144)
@@ -100,6 +105,11 @@ _MICROBATCHES = (4,)
 # nine processes) where the raw and tf_keras GPTs read 1.07; with the
 # chains' part (16-17 us), 1.09 (three processes).
 _DENSE_LINES = frozenset({"BatchMatMulV2:broadcast"})
+# Pipeline cuts of the MLP-shaped training steps timed beside the steps
+# (stage_overhead): (k of _TRAINING_STEPS, stages). Only those: a
+# transformer-shaped step's time moves by more than a stage costs.
+_STAGE_CUTS = ((4, 2), (4, 4), (5, 2))
+_STAGE_ROUNDS = 9
 # Untraced steps: calls before timing, rounds, and calls before each turn's
 # timed ones (tfsplit.runtime.timing).
 _WARMUP, _ROUNDS, _SETTLE = 5, 5, 2
@@ -399,7 +409,8 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
 
 
 def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
-                    first_style=0, microbatches=1, exchange_over=0, exchange_group=0):
+                    first_style=0, microbatches=1, exchange_over=0, exchange_group=0,
+                    stages=1):
   """A small transformer's training step (forward, tf.gradients, an Adam
   update) with its weights and optimizer state fed: the op mix and the
   parallel structure of a real step, which chains of one op lack. Inside a
@@ -419,7 +430,12 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
   gradient: 2 collectives per block, on the step's critical path as a
   tensor-parallel layer's are (see in_step_collective); `exchange_group` g
   numbers the group of n copies, for copies of several groups exchanging
-  at once (their keys differ)."""
+  at once (their keys differ).
+
+  With `stages` S > 1, the step is cut as a pipeline of S stages cuts it:
+  block i, its weights, their gradients and update on logical CPU
+  i * S // blocks, the head and the loss on the last (see
+  stage_overhead)."""
   g = tf.Graph()
   instances = itertools.count(1 + 1000 * exchange_group)
 
@@ -443,13 +459,19 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
     feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
     tokens = feed([batch * seq, hidden])
     labels = feed([batch * seq], tf.int32)
-    weights, used = [], [0]
+    weights, used, where = [], [0], []
 
     def weight(*shape):   # made by the first micro-batch, shared by the others
       if used[0] == len(weights):
         weights.append(feed(list(shape)))
+        where.append(weights[-1].device)
       used[0] += 1
       return weights[used[0] - 1]
+
+    def stage_of(i):   # the device scope of block i (i == blocks: the head)
+      if stages < 2:
+        return contextlib.nullcontext()
+      return tf.device(f"/device:CPU:{min(i, blocks - 1) * stages // blocks}")
 
     def loss_of(x, labels, batch):
       used[0] = 0
@@ -470,13 +492,13 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
       causal = tf.constant(np.tril(np.ones([seq, seq], dtype=bool)))
       norm = norm if seq > 1 else (lambda t: t)
       hd = hidden // heads
-      for i in range(blocks):
+
+      def block(i, x):
         if i:
           x = exchange(x)
         if seq == 1:   # an MLP's block: dense, GELU
           h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
-          x = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-          continue
+          return 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
         style = (i + first_style) % 3
         if style == 2:   # as Keras 3 writes it: 3-d dense matmuls, batched einsums
           y = norm(x)
@@ -488,7 +510,7 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
           h = dense(norm(x), 4 * hidden)
           h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
           x = x + tf.reshape(dense(h, hidden), [batch * seq, hidden])
-          continue
+          return x
         if style == 1:   # as tf_keras' MultiHeadAttention writes it: einsums
           y = tf.reshape(norm(x), [batch, seq, hidden])
           q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
@@ -503,7 +525,7 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
           h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
           x = x + tf.reshape(tf.einsum("abc,cd->abd", h, weight(4 * hidden, hidden)) +
                              weight(hidden), [batch * seq, hidden])
-          continue
+          return x
         qkv = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 3 * hidden)),
                              weight(3 * hidden))
         q, k, v = (heads_of(t) for t in tf.split(qkv, 3, axis=-1))
@@ -517,9 +539,15 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
         h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
         x = x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
                                weight(hidden))
-      logits = tf.linalg.matmul(norm(exchange(x)), weight(hidden, vocab))
-      return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-          labels=labels, logits=logits))
+        return x
+
+      for i in range(blocks):
+        with stage_of(i):
+          x = block(i, x)
+      with stage_of(blocks):
+        logits = tf.linalg.matmul(norm(exchange(x)), weight(hidden, vocab))
+        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+            labels=labels, logits=logits))
 
     rows = batch // microbatches * seq
     sums = None
@@ -537,11 +565,12 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
       grads = tf.gradients(loss, weights)
       sums = grads if sums is None else [a + b for a, b in zip(sums, grads)]
     with tf.name_scope("update"):
-      for w, grad in zip(weights, sums):
-        m, v = feed(w.shape), feed(w.shape)
-        m = 0.9 * m + 0.1 * grad
-        v = 0.999 * v + 0.001 * tf.square(grad)
-        tf.identity(w - 1e-3 * m / (tf.sqrt(v) + 1e-7))
+      for w, grad, device in zip(weights, sums, where):
+        with tf.device(device):   # its stage's (stage_of)
+          m, v = feed(w.shape), feed(w.shape)
+          m = 0.9 * m + 0.1 * grad
+          v = 0.999 * v + 0.001 * tf.square(grad)
+          tf.identity(w - 1e-3 * m / (tf.sqrt(v) + 1e-7))
   return g.as_graph_def()
 
 
@@ -585,6 +614,58 @@ def _training_step(k, microbatches=1, exchange_over=0, exchange_group=0):
                               microbatches=microbatches, exchange_over=exchange_over,
                               exchange_group=exchange_group)
   return graph_def, Graph(graph_def)
+
+
+def stage_steps():
+  """{(k, S): (fn, args)}: _STAGE_CUTS' steps cut into S pipeline stages
+  (_training_graph's `stages`), one per logical CPU; {} where this
+  process has too few logical CPUs (a function would place the missing
+  ones' ops on CPU:0)."""
+  try:
+    ensure_logical_devices(max(n for _, n in _STAGE_CUTS))
+  except TfsplitError:
+    return {}
+  steps = {}
+  for k, stages in _STAGE_CUTS:
+    blocks, batch, seq, hidden = _TRAINING_STEPS[k]
+    graph_def = _training_graph(blocks, batch, seq, hidden, first_style=k, stages=stages)
+    steps[(k, stages)] = _function_and_args(graph_def, Graph(graph_def), 0)
+  return steps
+
+
+def stage_overhead(repeats, transfer):
+  """(seconds, {(k, S): seconds}): what each further pipeline stage adds
+  to a step beyond its two transfers (the activation forward, its
+  gradient back; `transfer` seconds each), and per cut of _STAGE_CUTS
+  what it added a stage (further_stage_seconds); (None, {}) where this
+  process has too few logical CPUs. The cut steps and their uncut ones
+  take turns, _STAGE_ROUNDS rounds of their own: timed in the training
+  steps' five rounds, between steps 20 times longer, the estimate swung
+  from 0 to 68 us over three calibrations one morning; in rounds of their
+  own, 25-65 us over six."""
+  steps = stage_steps()
+  if not steps:
+    return None, {}
+  for k in sorted({k for k, _ in steps}):
+    steps[k] = _function_and_args(*_training_step(k), 0)
+  _, rounds = timing.take_turns(steps, warmup=_WARMUP, rounds=_STAGE_ROUNDS, steps=repeats,
+                                settle=_SETTLE)
+  return further_stage_seconds(rounds, transfer)
+
+
+def further_stage_seconds(round_medians, transfer):
+  """(seconds, {(k, S): seconds}) from take_turns' round medians of the
+  cut steps ((k, S) keys) and the uncut ones (k keys): per cut, the median
+  over rounds of (cut - uncut) / (S - 1), each round's pair timed in
+  adjacent turns (a level that drifts between rounds cancels); overall
+  the median over the cuts less 2 `transfer`, at least 0. Not a second
+  launch: a 2-op function cut over 4 devices took no longer than on one
+  (160-200 us either way), where the MLP steps cut into 2 and 4 stages
+  took 20-100 us a stage more than uncut."""
+  per_cut = {key: statistics.median((cut - whole) / (key[1] - 1) for cut, whole in
+                                    zip(rounds, round_medians[key[0]]))
+             for key, rounds in round_medians.items() if isinstance(key, tuple)}
+  return max(0.0, statistics.median(per_cut.values()) - 2 * transfer), per_cut
 
 
 def level_steps():
@@ -1007,6 +1088,9 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.machine["in_step_collectives_at_once"] = {f"{n}x{g}": t
                                                  for (n, g), t in devices["at_once"].items()}
   table.collective_overlap = devices["overlap"]
+  say("pipeline stages: small MLP steps cut into 2 and 4 stages")
+  table.stage_overhead, per_cut = stage_overhead(repeats, table.transfer_overhead)
+  table.machine["stage_cuts"] = {f"{k}x{n}": t for (k, n), t in per_cut.items()}
   costs = {}
   best_flops = best_bw = 0.0
   for node in graph.nodes:

@@ -293,6 +293,9 @@ class CostTable:
   time_scale: untraced / traced kernel time; profiling slows each kernel a
     little, this takes it back out.
   step_overhead: seconds every step costs before its first op (launch).
+  stage_overhead: seconds each further pipeline stage adds to a step,
+    beyond its transfers (calibrate.stage_overhead); None: not measured
+    (tables from before it was), each stage then priced at step_overhead.
   flops / bandwidth: the machine's measured best MatMul FLOP/s and copy
     bytes/s; the roofline of a calibrated device uses these.
   op_fixed: line -> seconds per call that do not scale with its tensors
@@ -323,6 +326,7 @@ class CostTable:
   op_overhead: float = 0.0
   time_scale: float = 1.0
   step_overhead: float = 0.0
+  stage_overhead: float = None
   flops: float = None
   bandwidth: float = None
   machine: dict = dataclasses.field(default_factory=dict)
@@ -372,6 +376,7 @@ class CostTable:
             "flops": self.flops, "bandwidth": self.bandwidth,
             "op_overhead": self.op_overhead, "time_scale": self.time_scale,
             "step_overhead": self.step_overhead,
+            "stage_overhead": self.stage_overhead,
             "default_factor": self.default_factor,
             "op_factor": dict(sorted(self.op_factor.items())),
             "default_fixed": self.default_fixed,
@@ -407,6 +412,8 @@ class CostTable:
                  op_overhead=float(obj["op_overhead"]),
                  time_scale=float(obj["time_scale"]),
                  step_overhead=float(obj.get("step_overhead", 0.0)),
+                 stage_overhead=(float(obj["stage_overhead"])
+                                 if obj.get("stage_overhead") is not None else None),
                  flops=obj.get("flops"), bandwidth=obj.get("bandwidth"),
                  machine=dict(obj.get("machine") or {}),
                  op_fixed={str(k): float(v)

@@ -83,7 +83,11 @@ class ModelProfile:
   batch: int                # global batch (dimension 0 of the inputs)
   other_update: float = 0.0  # seconds of update ops shared by all layers
   static_bytes: int = 0     # inputs and constants, on every device
-  step_overhead: float = 0.0  # seconds a step costs before its first op, per pipeline stage
+  step_overhead: float = 0.0  # seconds a step costs before its first op
+  # Seconds each further pipeline stage adds beyond its transfers (the
+  # table's stage_overhead); None (a table from before it was measured):
+  # step_overhead.
+  stage_overhead: Optional[float] = None
   source: Optional[str] = None
   # Logical devices sharing one machine's cores (a calibration table's
   # measurements): how many compute at once (None: every device is its own
@@ -117,6 +121,12 @@ class ModelProfile:
     """How many of `devices` logical devices compute at once."""
     from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
     return op_cost.concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
+
+  def launch(self, stages):
+    """Fixed seconds of a step cut into `stages` pipeline stages: the
+    launch, and what each further stage adds (its transfers apart)."""
+    further = self.step_overhead if self.stage_overhead is None else self.stage_overhead
+    return self.step_overhead + (stages - 1) * further
 
   def collective_for(self, group, groups=1):
     """Fixed seconds of one collective over `group` logical devices; with
@@ -295,6 +305,7 @@ def from_analysis(analysis, cost_model, source=None):
   return ModelProfile(rows, cuts, global_batch(graph, shapes), other_update=other,
                       static_bytes=whole.constants + whole.inputs,
                       step_overhead=table.step_overhead if table is not None else 0.0,
+                      stage_overhead=table.stage_overhead if table is not None else None,
                       source=source,
                       concurrency=table.concurrency if table is not None else None,
                       collective_overhead=table.collective_overhead

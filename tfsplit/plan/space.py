@@ -25,9 +25,9 @@ cuts and their gradients back. With stage costs c_s the pipeline takes
 (the bubbles of tfsplit.cost.pipeline_sim), then the gradient all-reduce
 over dp (reduce-scatter + all-gather with ZeRO: the same bytes), one per
 25 MiB bucket, the optimizer update (1/dp of it with ZeRO) and, with a
-calibration table, its per-step launch overhead, once per stage (each
-stage's device runs its part of the step as an executor of its own, and
-the stages wait on each other).
+calibration table, the step's launch cost and what each further stage
+adds to it beyond its transfers (ModelProfile.launch; calibrate measures
+it on small MLP steps cut into 2 and 4 stages).
 
 On logical devices that share one machine's cores (a profile calibrated
 with a concurrency, as `tfsplit calibrate` measures for this machine's
@@ -438,11 +438,8 @@ class Costing(object):
       recompute = (np.array(recomputed)[chunk_stage] if recomputed is not None
                    else np.full(len(ranges), c.recompute == "blocks"))
       step = max(step, self.shared_host_time(c, ranges, recompute))
-    # The launch cost once per stage (module doc): an MLP at one layer per
-    # stage on 4 logical CPUs took 230 us more than on one device, its 6
-    # transfers ~60 us of that.
     return Estimate(candidate=c, ranges=[tuple(r) for r in ranges],
-                    step_time=step + S * self.profile.step_overhead,
+                    step_time=step + self.profile.launch(S),
                     pipeline_time=pipe, sync_time=sync,
                     update_time=update, bubble=bubble,
                     stage_memory=[int(x) for x in memory],
