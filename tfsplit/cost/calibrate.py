@@ -105,11 +105,12 @@ _MICROBATCHES = (4,)
 # nine processes) where the raw and tf_keras GPTs read 1.07; with the
 # chains' part (16-17 us), 1.09 (three processes).
 _DENSE_LINES = frozenset({"BatchMatMulV2:broadcast"})
-# Pipeline cuts of the MLP-shaped training steps timed beside the steps
-# (stage_overhead): (k of _TRAINING_STEPS, stages). Only those: a
-# transformer-shaped step's time moves by more than a stage costs.
+# Pipeline cuts of the MLP-shaped training steps, timed in turns with the
+# uncut steps, _STAGE_ROUNDS rounds (stage_overhead): (k of
+# _TRAINING_STEPS, stages). Only those: a transformer-shaped step's time
+# moves by more than a stage costs.
 _STAGE_CUTS = ((4, 2), (4, 4), (5, 2))
-_STAGE_ROUNDS = 9
+_STAGE_ROUNDS = 15
 # Untraced steps: calls before timing, rounds, and calls before each turn's
 # timed ones (tfsplit.runtime.timing).
 _WARMUP, _ROUNDS, _SETTLE = 5, 5, 2
@@ -208,9 +209,12 @@ def _function_and_args(graph_def, graph, seed):
   args = []
   for name in graph_inputs(graph):
     node = graph.node(name)
-    args.append(tf.constant(_feed_value(
-        node.attr["dtype"].type,
-        tf.TensorShape(node.attr["shape"].shape).as_list(), rng)))
+    # On its placeholder's device: a pipeline stage's weights live on its
+    # device, and one fed from CPU:0 would add a copy per call.
+    with tf.device(node.device or None):
+      args.append(tf.constant(_feed_value(
+          node.attr["dtype"].type,
+          tf.TensorShape(node.attr["shape"].shape).as_list(), rng)))
   return fn, args
 
 
@@ -641,8 +645,8 @@ def stage_overhead(repeats, transfer):
   process has too few logical CPUs. The cut steps and their uncut ones
   take turns, _STAGE_ROUNDS rounds of their own: timed in the training
   steps' five rounds, between steps 20 times longer, the estimate swung
-  from 0 to 68 us over three calibrations one morning; in rounds of their
-  own, 25-65 us over six."""
+  from 0 to 68 us over three calibrations one morning; in 9 rounds of
+  their own, 25-65 us over six, and 18-85 over nine in a noisier hour."""
   steps = stage_steps()
   if not steps:
     return None, {}
