@@ -220,6 +220,31 @@ def test_einsums_batched_matmuls_and_transposes_have_a_line_per_form():
   assert model.compute_time(dense) == pytest.approx(1e-6 + 5.0 * model.roofline(dense))
 
 
+def test_variable_updates_take_the_line_of_the_same_elementwise_work():
+  # No calibration step runs an optimizer's in-place updates (its weights
+  # are fed): they take the line of the elementwise op doing the same work,
+  # unless the table has one of their own.
+  g = tf.Graph()
+  with g.as_default():
+    v = tf.Variable(tf.zeros([64, 64]), name="v")
+    delta = tf.compat.v1.placeholder(tf.float32, [64, 64], name="delta")
+    tf.raw_ops.AssignAddVariableOp(resource=v.handle, value=delta, name="add")
+    tf.raw_ops.AssignSubVariableOp(resource=v.handle, value=delta, name="sub")
+  graph = Graph(g.as_graph_def())
+  shapes = infer_shapes(graph, [])
+  table = op_cost.CostTable(op_fixed={"AddV2": 2e-7, "Sub": 3e-7},
+                            op_factor={"AddV2": 0.4, "Sub": 0.5},
+                            default_fixed=1e-6, default_factor=1.4)
+  model = op_cost.CostModel(_cluster(), table)
+  for name, fixed, factor in (("add", 2e-7, 0.4), ("sub", 3e-7, 0.5)):
+    cost = op_cost.node_cost(graph.node(name), shapes, graph)
+    assert cost.bytes_read == 2 * 64 * 64 * 4 and cost.bytes_written == 64 * 64 * 4
+    assert model.compute_time(cost) == pytest.approx(fixed + factor * model.roofline(cost))
+  own = op_cost.CostTable(op_fixed={"AddV2": 2e-7, "AssignAddVariableOp": 5e-7})
+  assert own.fixed("AssignAddVariableOp") == 5e-7
+  assert op_cost.CostTable(default_fixed=1e-6).fixed("AssignAddVariableOp") == 1e-6
+
+
 def test_device_overheads_per_device_count(tmp_path):
   # Measured over 2 and 4 logical devices; a collective's fixed time grows
   # with its group (a ring's steps), linearly past the last point; the
