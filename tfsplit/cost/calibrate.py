@@ -463,12 +463,11 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
     feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
     tokens = feed([batch * seq, hidden])
     labels = feed([batch * seq], tf.int32)
-    weights, used, where = [], [0], []
+    weights, used = [], [0]
 
     def weight(*shape):   # made by the first micro-batch, shared by the others
       if used[0] == len(weights):
         weights.append(feed(list(shape)))
-        where.append(weights[-1].device)
       used[0] += 1
       return weights[used[0] - 1]
 
@@ -569,8 +568,8 @@ def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
       grads = tf.gradients(loss, weights)
       sums = grads if sums is None else [a + b for a, b in zip(sums, grads)]
     with tf.name_scope("update"):
-      for w, grad, device in zip(weights, sums, where):
-        with tf.device(device):   # its stage's (stage_of)
+      for w, grad in zip(weights, sums):
+        with tf.device(w.device):   # its stage's (stage_of)
           m, v = feed(w.shape), feed(w.shape)
           m = 0.9 * m + 0.1 * grad
           v = 0.999 * v + 0.001 * tf.square(grad)
