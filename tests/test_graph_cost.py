@@ -408,6 +408,34 @@ def test_microbatched_training_step_computes_the_same_update():
     assert len(starts) == m - 1
 
 
+def test_calibration_creates_a_graphs_variables_on_their_devices():
+  # A split graph's variables live on their devices (a pipeline stage's
+  # weights on its own): calibration must run it on variables created
+  # there, not on CPU:0, where every read would time a transfer.
+  import types  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import variables as variables_lib  # pylint: disable=import-outside-toplevel
+  g = tf.Graph()
+  with g.as_default(), tf.device("/device:CPU:1"):
+    handle = tf.compat.v1.placeholder(tf.resource, [], name="w")
+    x = tf.compat.v1.placeholder(tf.float32, [4], name="x")
+    tf.identity(tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.float32) * x, name="y")
+  graph_def = g.as_graph_def()
+  variables_lib.annotate_captured_variable(
+      next(n for n in graph_def.node if n.name == "w"),
+      types.SimpleNamespace(shape=tf.TensorShape([4]), dtype=tf.float32, trainable=True),
+      name="w")
+  graph = Graph(graph_def)
+  fn, args, variables = calibrate.step_function(graph_def, graph, 0)
+  assert [v.device.rpartition(":")[2] for v in variables] == ["1"]
+  assert args[0].device.endswith("CPU:1")
+  (y,) = fn(*args)
+  np.testing.assert_allclose(y.numpy(), variables[0].numpy() * args[0].numpy(), rtol=1e-6)
+  tf_graph, _, _, _ = calibrate._session_graph(graph_def, graph, np.random.default_rng(0))  # pylint: disable=protected-access
+  created = tf_graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
+  assert [v.device.rpartition(":")[2] for v in created] == ["1"], [v.device for v in created]
+
+
 def test_in_step_points_scale_each_op_by_its_steps_untraced_time():
   # Two ops traced at 1 and 3 ms in a step that runs untraced in 6 ms
   # (less a launch of 2 ms): each counts what it adds to the step, 1 and 3

@@ -161,7 +161,8 @@ def _session_graph(graph_def, graph, rng):
       if var.kind == "VarHandleOp":
         continue
       value = _feed_value(var.dtype, var.shape, rng)
-      handle = tf.Variable(value, name="calibration_var").handle
+      with tf.device(graph.node(var.node).device or None):   # a stage's, say
+        handle = tf.Variable(value, name="calibration_var").handle
       input_map[var.node + ":0"] = handle
     clean = graph_pb2.GraphDef()
     clean.CopyFrom(graph_def)
@@ -194,17 +195,27 @@ def _kernel_seconds(stats):
   return (stats.op_end_rel_micros - stats.op_start_rel_micros) * 1e-6
 
 
-def _function_and_args(graph_def, graph, seed):
-  """`graph_def` as a TF2 function on fresh variables, and arguments for
-  it: (fn, args)."""
-  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
-  rng = np.random.default_rng(seed)
+def fresh_variables(graph, rng):
+  """[tf.Variable] for the captured variables of `graph`, in its order, each
+  on its placeholder's device (a pipeline stage's weights live on its
+  device: created on CPU:0, each read would be a transfer) with a small
+  random value (_feed_value)."""
   variables = []
   for var in variables_lib.find_variables(graph):
     if var.kind == "captured":
-      variables.append(tf.Variable(_feed_value(var.dtype, var.shape, rng),
-                                   name=var.name))
+      with tf.device(graph.node(var.node).device or None):
+        variables.append(tf.Variable(_feed_value(var.dtype, var.shape, rng),
+                                     name=var.name))
+  return variables
+
+
+def step_function(graph_def, graph, seed):
+  """`graph_def` as a TF2 function on fresh variables (fresh_variables),
+  arguments for it, and the variables: (fn, args, [tf.Variable])."""
+  from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(seed)
+  variables = fresh_variables(graph, rng)
   fn = import_graph(graph_def, variables)
   args = []
   for name in graph_inputs(graph):
@@ -215,7 +226,12 @@ def _function_and_args(graph_def, graph, seed):
       args.append(tf.constant(_feed_value(
           node.attr["dtype"].type,
           tf.TensorShape(node.attr["shape"].shape).as_list(), rng)))
-  return fn, args
+  return fn, args, variables
+
+
+def _function_and_args(graph_def, graph, seed):
+  """(fn, args) of step_function."""
+  return step_function(graph_def, graph, seed)[:2]
 
 
 def _function_step_time(graph_def, graph, repeats, seed):
