@@ -160,10 +160,7 @@ def _session_graph(graph_def, graph, rng):
     for var in variables:
       if var.kind == "VarHandleOp":
         continue
-      value = _feed_value(var.dtype, var.shape, rng)
-      with tf.device(graph.node(var.node).device or None):   # a stage's, say
-        handle = tf.Variable(value, name="calibration_var").handle
-      input_map[var.node + ":0"] = handle
+      input_map[var.node + ":0"] = _fresh_variable(graph, var, rng, "calibration_var").handle
     clean = graph_pb2.GraphDef()
     clean.CopyFrom(graph_def)
     outputs = graph_outputs(graph)
@@ -195,18 +192,20 @@ def _kernel_seconds(stats):
   return (stats.op_end_rel_micros - stats.op_start_rel_micros) * 1e-6
 
 
+def _fresh_variable(graph, var, rng, name):
+  """A tf.Variable for `var` (a VariableInfo of `graph`) with a small random
+  value (_feed_value), on its placeholder's device: a pipeline stage's
+  weights live on its device, and created on CPU:0 each read would be a
+  transfer."""
+  with tf.device(graph.node(var.node).device or None):
+    return tf.Variable(_feed_value(var.dtype, var.shape, rng), name=name)
+
+
 def fresh_variables(graph, rng):
-  """[tf.Variable] for the captured variables of `graph`, in its order, each
-  on its placeholder's device (a pipeline stage's weights live on its
-  device: created on CPU:0, each read would be a transfer) with a small
-  random value (_feed_value)."""
-  variables = []
-  for var in variables_lib.find_variables(graph):
-    if var.kind == "captured":
-      with tf.device(graph.node(var.node).device or None):
-        variables.append(tf.Variable(_feed_value(var.dtype, var.shape, rng),
-                                     name=var.name))
-  return variables
+  """[tf.Variable] for the captured variables of `graph`, in its order
+  (_fresh_variable)."""
+  return [_fresh_variable(graph, var, rng, var.name)
+          for var in variables_lib.find_variables(graph) if var.kind == "captured"]
 
 
 def step_function(graph_def, graph, seed):
