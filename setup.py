@@ -22,7 +22,7 @@ setup(
         "keras": ["tf_keras==2.21.0"],
         "plot": ["matplotlib"],
         "test": [f"tensorflow-cpu=={TF_VERSION}", "tf_keras==2.21.0", "pytest", "pytest-timeout",
-                 "matplotlib"],
+                 "pytest-xdist", "matplotlib"],
     },
     entry_points={"console_scripts": ["tfsplit=tfsplit.cli:main"]},
 )

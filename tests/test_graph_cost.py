@@ -276,9 +276,16 @@ def test_place_by_layers_spreads_parameters_over_devices():
   assert res.transfers > 0 and res.step_time > 0
 
 
-def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
+def test_calibrate_then_estimate_graph_cli(tmp_path, capsys, monkeypatch):
   graph = os.path.join(EXAMPLES, "mlp_raw_train_tiny.pb")
   table = str(tmp_path / "table.json")
+  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  # The table's structure, not its accuracy: fewer timed rounds and no
+  # micro-batched steps keep a whole calibration to a fraction of its time
+  # (the slow tests judge calibrated predictions).
+  for name, value in (("_WARMUP", 2), ("_ROUNDS", 2), ("_STAGE_ROUNDS", 3),
+                      ("_MICROBATCHES", ())):
+    monkeypatch.setattr(calibrate, name, value)
   assert run(["tfsplit", "calibrate", graph, "-o", table, "--repeats", "2",
               "--traced", "1"]) == 0
   assert "measured op shapes" in capsys.readouterr().out
@@ -299,7 +306,6 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys):
   # The small training steps' times are this machine's level: timed again
   # now, in the same process, each takes about what the table says, and
   # the level is the median of those ratios.
-  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
   steps = saved["machine"]["training_steps"]
   assert len(steps) == len(calibrate._TRAINING_STEPS)  # pylint: disable=protected-access
   now = timing.median_of_rounds(calibrate.level_steps(), warmup=5, rounds=3, steps=3)
