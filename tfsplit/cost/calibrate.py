@@ -201,20 +201,15 @@ def _fresh_variable(graph, var, rng, name):
     return tf.Variable(_feed_value(var.dtype, var.shape, rng), name=name)
 
 
-def fresh_variables(graph, rng):
-  """[tf.Variable] for the captured variables of `graph`, in its order
-  (_fresh_variable)."""
-  return [_fresh_variable(graph, var, rng, var.name)
-          for var in variables_lib.find_variables(graph) if var.kind == "captured"]
-
-
 def step_function(graph_def, graph, seed):
-  """`graph_def` as a TF2 function on fresh variables (fresh_variables),
-  arguments for it, and the variables: (fn, args, [tf.Variable])."""
+  """`graph_def` as a TF2 function on fresh variables (_fresh_variable, one
+  per captured variable, in the graph's order), arguments for it, and the
+  variables: (fn, args, [tf.Variable])."""
   from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(seed)
-  variables = fresh_variables(graph, rng)
+  variables = [_fresh_variable(graph, var, rng, var.name)
+               for var in variables_lib.find_variables(graph) if var.kind == "captured"]
   fn = import_graph(graph_def, variables)
   args = []
   for name in graph_inputs(graph):
