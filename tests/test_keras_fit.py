@@ -119,8 +119,9 @@ def check_fit(name, split, steps_per_execution=1):
                                            steps_per_execution=steps_per_execution)
   _report(split_model, start, want, alt, got_hist, want_hist, alt_hist).assert_ok(str(split))
   # fit returned with the trained weights in the wrapped (plain) model.
+  assembled = split_model.split_step.full_values()
   for key, value in got.items():
-    assert np.array_equal(value, split_model.split_step.full_values()[key]), key
+    assert np.array_equal(value, assembled[key]), key
   return split_model, want_hist
 
 
