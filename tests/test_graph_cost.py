@@ -284,8 +284,12 @@ def _quick_calibration(tmp_path, capsys, monkeypatch):
   judge calibrated predictions)."""
   graph = os.path.join(EXAMPLES, "mlp_raw_train_tiny.pb")
   table = str(tmp_path / "table.json")
+  # Three of the six steps: the two smallest transformer-shaped ones (every
+  # block style between them) and an MLP, cut into 2 and 4 stages.
   for name, value in (("_WARMUP", 2), ("_ROUNDS", 2), ("_STAGE_ROUNDS", 3),
-                      ("_MICROBATCHES", ())):
+                      ("_MICROBATCHES", ()),
+                      ("_TRAINING_STEPS", ((1, 4, 24, 48), (2, 6, 24, 48), (4, 24, 1, 96))),
+                      ("_STAGE_CUTS", ((2, 2), (2, 4)))):
     monkeypatch.setattr(calibrate, name, value)
   assert run(["tfsplit", "calibrate", graph, "-o", table, "--repeats", "2",
               "--traced", "1"]) == 0
