@@ -735,6 +735,28 @@ def test_predicted_step_time_within_25_percent_of_measured_on_logical_cpus():
     assert len(r["ratios"]) == 3 and r["ratio"] == pytest.approx(1.0, rel=0.25), r
 
 
+def test_measure_spec_divides_the_batch():
+  # 'name:size/d' is the model on 1/d of its batch (a dp=d replica's share,
+  # timed whole beside the split); a divisor that does not divide the
+  # batch is one line naming the spec.
+  import benchlib  # pylint: disable=import-outside-toplevel
+  from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+  batches = {}
+  for text in ("mlp_raw:tiny", "mlp_raw:tiny/2"):
+    ex, graph_def, names = benchlib.example_model(text)
+    feeds = [n for n in graph_def.node if n.op == "Placeholder" and
+             n.attr["dtype"].type == 1 and   # DT_FLOAT
+             len(n.attr["shape"].shape.dim) == 2 and
+             n.attr["shape"].shape.dim[1].size == ex.config.in_dim]
+    batches[text] = (ex.config.batch, {f.attr["shape"].shape.dim[0].size for f in feeds})
+    assert len(names) == len(ex.all_variables())
+  assert batches == {"mlp_raw:tiny": (4, {4}), "mlp_raw:tiny/2": (2, {2})}
+  for text in ("mlp_raw:tiny/3", "mlp_raw:tiny/0", "mlp_raw:tiny/x"):
+    with pytest.raises(TfsplitError, match="batch .4. is divided") as err:
+      benchlib.example_model(text)
+    assert str(err.value).startswith(text + ":")
+
+
 def test_reprice_planner_prices_measured_plans_again_from_their_tables(tmp_path):
   # tools/reprice_planner.py judges a pricing change on timings already
   # taken: each measured plan priced again from its run's own table, at the

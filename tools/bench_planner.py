@@ -47,6 +47,11 @@ common hand rule.
     python tools/bench_planner.py --measure gpt_raw:small,mlp_raw:small \
         --meshes "dp=2;tp=2;dp=2,tp=2;pp=2 m=1;pp=2 m=2;pp=2 m=4" [--processes 3]
 
+   A spec 'name:size/d' is the model with its batch divided by d: with
+   --meshes "dp=1", 'gpt_raw:small/2' times unsplit the half batch each
+   replica of a dp=2 split runs, beside the split, and prices it the same
+   way (is a split mispriced, or its share of the batch?).
+
    --meshes adds fixed candidates to the planner's best (each with the
    planner's cut); --calibration FILE reuses (or writes) the table, so that
    several runs share one calibration.
@@ -54,6 +59,7 @@ common hand rule.
 import dataclasses
 import os
 import statistics
+import sys
 import time
 
 from absl import app
@@ -70,8 +76,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_integer("repeats", 3, "Best of this many searches.")
 flags.DEFINE_integer("graph-blocks", 0, "Also plan a traced GPT graph of this many "
                      "blocks (0: skip).")
-flags.DEFINE_list("measure", [], "Example models (name:size) to plan on logical CPUs "
-                  "and time against the prediction.")
+flags.DEFINE_list("measure", [], "Example models (name:size, or name:size/d: its batch "
+                  "divided by d) to plan on logical CPUs and time against the prediction.")
 flags.DEFINE_integer("devices", 4, "With --measure: logical CPU devices.")
 flags.DEFINE_integer("top", 3, "With --measure: plans timed per model.")
 flags.DEFINE_integer("steps", 10, "With --measure: steps per round.")
@@ -189,10 +195,8 @@ def measured(specs):
   devices = FLAGS.devices
   benchlib.logical_devices("CPU", devices)  # before TensorFlow's runtime starts
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  import models  # pylint: disable=import-outside-toplevel
   import tfsplit  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import calibrate, op_cost  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import Plan, space  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   path = FLAGS.calibration
@@ -216,11 +220,7 @@ def measured(specs):
   # training steps take turns with the plans.
   level_steps = calibrate.level_steps() if table.machine.get("training_steps") else {}
   for text in specs:
-    name, _, size = text.partition(":")
-    ex = models.build(name, size=size or "small", seed=0)
-    names = list(zip(ex.all_variables(), ex.variable_names()))
-    graph_def = load_graph(ex.train_step.get_concrete_function(*ex.train_signature),
-                           variable_names=names)
+    ex, graph_def, names = benchlib.example_model(text)
     profile = profile_lib.from_graph(graph_def, op_cost.CostModel(spec, table=table))
     planner = Planner(profile, spec, devices)
     result = planner.search(top=max(1, FLAGS.top))
@@ -331,7 +331,12 @@ def measured_in_processes(specs):
 def main(argv):
   del argv
   if FLAGS.measure:  # first: logical devices must be set before TF starts
-    (measured_in_processes if FLAGS.processes > 1 else measured)(FLAGS.measure)
+    from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+    try:   # a spec that names no model or size, or a batch that does not divide
+      (measured_in_processes if FLAGS.processes > 1 else measured)(FLAGS.measure)
+    except TfsplitError as e:
+      print(f"bench_planner: {e}", file=sys.stderr)
+      return 2
     if FLAGS.measure_only:
       return
   timing()

@@ -220,3 +220,27 @@ def mesh_candidates(text):
     out.append(space.Candidate(int(axes.get("dp", 1)), int(axes.get("tp", 1)),
                                int(axes.get("pp", 1)), m))
   return out
+
+
+def example_model(text):
+  """(ExampleModel, its training step's GraphDef, [(variable, name)]) of a
+  --measure spec 'name[:size][/d]': the example zoo's model at `size`
+  (default small), and with /d its batch divided by d. A dp=2 split runs
+  each replica's ops on half the batch: 'gpt_raw:small/2' unsplit times
+  that share whole, on one device, beside the split."""
+  import models  # pylint: disable=import-outside-toplevel
+  from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  name, _, rest = text.partition(":")
+  size, _, divisor = rest.partition("/")
+  ex = models.build(name, size=size or "small", seed=0)
+  if divisor:
+    if not divisor.isdigit() or int(divisor) < 1 or ex.config.batch % int(divisor):
+      raise TfsplitError(f"{text}: the batch ({ex.config.batch}) is divided by a "
+                         f"positive divisor of it after '/' (e.g. {name}:{size or 'small'}/2)")
+    ex = models.build(name, size=size or "small", seed=0,
+                      batch_size=ex.config.batch // int(divisor))
+  names = list(zip(ex.all_variables(), ex.variable_names()))
+  graph_def = load_graph(ex.train_step.get_concrete_function(*ex.train_signature),
+                         variable_names=names)
+  return ex, graph_def, names

@@ -71,9 +71,7 @@ def reprice(runs, devices):
   run}: each row's plan priced now from its run's table, at the level the
   row was measured at."""
   benchlib.logical_devices("CPU", devices)
-  import models  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import cluster as cluster_lib, op_cost  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import profile as profile_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.plan.search import Planner  # pylint: disable=import-outside-toplevel
   spec = cluster_lib.from_preset("cpu-host", devices, devices_per_host=devices)
@@ -84,11 +82,7 @@ def reprice(runs, devices):
     for row in rows:
       text = row["model"]
       if text not in graphs:
-        name, _, size = text.partition(":")
-        ex = models.build(name, size=size or "small", seed=0)
-        graphs[text] = load_graph(
-            ex.train_step.get_concrete_function(*ex.train_signature),
-            variable_names=list(zip(ex.all_variables(), ex.variable_names())))
+        graphs[text] = benchlib.example_model(text)[1]
       if text not in planners:
         profile = profile_lib.from_graph(graphs[text], op_cost.CostModel(spec, table=table))
         planners[text] = Planner(profile, spec, devices)
