@@ -229,7 +229,10 @@ def measured(specs):
         e.candidate == space.Candidate(devices, 1, 1) for e in chosen):
       chosen.append(planner.costing.evaluate(space.Candidate(devices, 1, 1),
                                              [(0, planner.costing.n)]))
-    fixed = [planner.price(c) for c in benchlib.mesh_candidates(FLAGS.meshes)]
+    # A mesh whose replicas x micro-batches do not divide the model's batch
+    # (a spec's divided batch) is skipped for that model.
+    fixed = [planner.price(c) for c in benchlib.mesh_candidates(FLAGS.meshes)
+             if profile.batch % (c.dp * c.microbatches) == 0]
     chosen += [e for e in fixed if e is not None and
                all(e.candidate != x.candidate for x in chosen)]
     inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=0)]
