@@ -740,12 +740,13 @@ def test_measure_spec_divides_the_batch():
   # timed whole beside the split); a divisor that does not divide the
   # batch is one line naming the spec.
   import benchlib  # pylint: disable=import-outside-toplevel
+  from tensorflow.core.framework import types_pb2  # pylint: disable=import-outside-toplevel
   from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
   batches = {}
   for text in ("mlp_raw:tiny", "mlp_raw:tiny/2"):
     ex, graph_def, names = benchlib.example_model(text)
     feeds = [n for n in graph_def.node if n.op == "Placeholder" and
-             n.attr["dtype"].type == 1 and   # DT_FLOAT
+             n.attr["dtype"].type == types_pb2.DT_FLOAT and
              len(n.attr["shape"].shape.dim) == 2 and
              n.attr["shape"].shape.dim[1].size == ex.config.in_dim]
     batches[text] = (ex.config.batch, {f.attr["shape"].shape.dim[0].size for f in feeds})

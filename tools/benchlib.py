@@ -233,13 +233,14 @@ def example_model(text):
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   name, _, rest = text.partition(":")
   size, _, divisor = rest.partition("/")
-  ex = models.build(name, size=size or "small", seed=0)
+  size, batch = size or "small", None
   if divisor:
-    if not divisor.isdigit() or int(divisor) < 1 or ex.config.batch % int(divisor):
-      raise TfsplitError(f"{text}: the batch ({ex.config.batch}) is divided by a "
-                         f"positive divisor of it after '/' (e.g. {name}:{size or 'small'}/2)")
-    ex = models.build(name, size=size or "small", seed=0,
-                      batch_size=ex.config.batch // int(divisor))
+    batch = models.config_of(name, size).batch
+    if not divisor.isdigit() or int(divisor) < 1 or batch % int(divisor):
+      raise TfsplitError(f"{text}: the batch ({batch}) is divided by a "
+                         f"positive divisor of it after '/' (e.g. {name}:{size}/2)")
+    batch //= int(divisor)
+  ex = models.build(name, size=size, seed=0, batch_size=batch)
   names = list(zip(ex.all_variables(), ex.variable_names()))
   graph_def = load_graph(ex.train_step.get_concrete_function(*ex.train_signature),
                          variable_names=names)

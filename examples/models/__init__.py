@@ -21,6 +21,17 @@ from .example import (CONFIGS, CORPUS_NAMES, FLAVORS, KINDS, NAMES, SIZES,
                       ExampleModel, GptConfig, MlpConfig)
 
 
+def config_of(name, size="tiny"):
+  """The config build(name, size) uses (its batch, widths...), without
+  building the model."""
+  from . import example  # pylint: disable=import-outside-toplevel
+  family, _ = example.split_name(name)
+  if family in example.CORPUS_FAMILIES:
+    from . import corpus  # pylint: disable=import-outside-toplevel
+    return corpus.config_for(family, size)
+  return example.config_for(family, size)
+
+
 def build(name, size="tiny", seed=0, batch_size=None, **config):
   """Builds example `name` at `size`; returns an ExampleModel.
 
