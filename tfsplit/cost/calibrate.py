@@ -422,6 +422,35 @@ def _dispatch_graph(length=_DISPATCH_CHAIN):
   return g.as_graph_def()
 
 
+# Arguments and outputs of the calls that price what a call pays for each
+# beyond the launch's one (call_costs).
+_CALL_TENSORS = 40
+
+
+def _call_graph(arguments=1, outputs=1):
+  """A one-op function (an AddN of its arguments) of `arguments` inputs
+  and `outputs` outputs. A call passes each argument through the eager
+  function call (3-4 us each here), an output less; the calibration's
+  training steps feed their weights and moments (17-143 arguments), a
+  user's step captures them."""
+  g = tf.Graph()
+  with g.as_default():
+    xs = [tf.compat.v1.placeholder(tf.float32, [16], name=f"x{i}") for i in range(arguments)]
+    y = tf.add_n(xs) if arguments > 1 else tf.multiply(xs[0], 2.0)
+    for i in range(outputs):
+      tf.identity(y, name=f"out{i}")
+  return g.as_graph_def()
+
+
+def call_costs(seconds, launch):
+  """(seconds per argument, seconds per output) of a call beyond the
+  launch's one of each, from the seconds of the _call_graph calls in
+  `seconds` ('arguments', 'outputs' keys) and of the launch's."""
+  extra = _CALL_TENSORS - 1
+  return (max(0.0, (seconds["arguments"] - launch) / extra),
+          max(0.0, (seconds["outputs"] - launch) / extra))
+
+
 def _training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
                     first_style=0, microbatches=1, exchange_over=0, exchange_group=0,
                     stages=1):
@@ -732,11 +761,13 @@ def fused_matmuls(graph, profile):
   return fused
 
 
-def in_step_points(steps, launch=0.0):
+def in_step_points(steps, launch=0.0, call_cost=None):
   """{signature: (line, NodeCost, seconds)} of the ops of the training
   steps, as they run inside a step: each node's fastest traced run times
-  its step's untraced time (less the `launch` of a step) over the sum of
-  its nodes' fastest traced runs; the median over a signature's nodes.
+  its step's untraced time (less the `launch` of a step and, with
+  call_cost(graph), what its call's arguments and outputs cost) over the
+  sum of its nodes' fastest traced runs; the median over a signature's
+  nodes.
   Traced, an op inside a step is stretched by what the ops beside it take
   from the cores, and by more the more ops run side by side: a
   GPT-shaped step's traced ops summed to 2.7 times its untraced time in
@@ -762,7 +793,8 @@ def in_step_points(steps, launch=0.0):
       if seconds is not None and not cost.comm:
         ran.append((node, seconds, cost))
     traced = sum(seconds for _, seconds, _ in ran)
-    scale = max(0.0, profile.step_time - launch) / traced if traced > 0 else 1.0
+    outside = launch + (call_cost(graph) if call_cost else 0.0)
+    scale = max(0.0, profile.step_time - outside) / traced if traced > 0 else 1.0
     for node, seconds, cost in ran:
       sig = op_cost.signature(node, shapes)
       samples[sig].append(seconds * scale)
@@ -787,27 +819,49 @@ def lines_fitted_in_steps(in_step, mlp_steps):
 
 def step_scale(table, steps, cluster):
   """(scale s, overhead per op d) of ops inside a training step: the
-  untraced step times of `steps` (training_steps) against the table's time
-  for their ops, step = s * ops' times + table.step_overhead, s the ratio
-  of the sums (one number, which the noise of one step cannot swing). The
-  lines were fitted on the ops' times inside such steps, so the per-op gap
-  is in them and d is 0; s takes out what tracing adds and what running
-  ops side by side saves."""
+  untraced step times of `steps` (training steps, micro-batched ones too)
+  against the table's time for their ops, step = s * ops' times + d * ops
+  + launch + the call's arguments and outputs (CostTable.call_overhead),
+  least squares relative to each step. Every op the planner prices counts
+  (all but collectives, also those Grappler folds), as it counts them.
+  The lines were fitted on each op's time inside such steps, yet a ratio
+  of sums alone (d = 0), dominated by the largest steps, priced the MLP-
+  shaped steps at 0.53-0.69 of their times and the largest at 1.17: each
+  op pays about a microsecond a call whatever its line, which the lines'
+  fixed parts (their chains', for the ops an MLP runs) do not hold. s
+  also takes out what tracing adds and what running ops side by side
+  saves."""
   model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
-  total = predicted = 0.0
+  rows, target = [], []
   for graph, shapes, profile in steps:
     ops, seconds = 0, 0.0
-    fused = fused_matmuls(graph, profile)
     for node in graph.nodes:
-      if node.name not in profile.node_times and node.name not in fused:
-        continue   # folded away: it does not run
-      seconds += model.compute_time(op_cost.node_cost(node, shapes, graph), 0, None)
+      cost = op_cost.node_cost(node, shapes, graph)
+      if cost.comm:
+        continue
+      seconds += model.compute_time(cost, 0, None)
       ops += 1
+    outside = table.step_overhead + call_cost(table, graph)
     logging.info("training step: %.3f ms, %d ops, %.3f ms by the lines",
                  profile.step_time * 1e3, ops, seconds * 1e3)
-    total += max(0.0, profile.step_time - table.step_overhead)
-    predicted += seconds
-  return (total / predicted if predicted > 0 and total > 0 else 1.0), 0.0
+    if profile.step_time > outside and seconds > 0:
+      rows.append((seconds, ops))
+      target.append(profile.step_time - outside)
+  if not rows:
+    return 1.0, 0.0
+  x, y = np.array(rows, dtype=float), np.array(target)
+  w = 1.0 / y
+  sol, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+  if sol[0] > 0 and sol[1] >= 0:
+    return float(sol[0]), float(sol[1])
+  return float(y.sum() / x[:, 0].sum()), 0.0   # the ratio of the sums, no gap
+
+
+def call_cost(table, graph):
+  """Seconds a call of `graph` as a function pays for its arguments and
+  outputs beyond the launch's (CostTable.call_overhead)."""
+  from tfsplit.graph.endpoints import graph_inputs, graph_outputs  # pylint: disable=import-outside-toplevel
+  return table.call_overhead(len(graph_inputs(graph)), len(graph_outputs(graph)))
 
 
 def _devices_graph(kind, length, devices=2):
@@ -1157,12 +1211,17 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   # in turns with the training steps: timed alone, at another moment, it
   # came out at 78-150 us in five calibrations, and a small MLP's step
   # (0.4 ms) is a third launch.
-  launch = _dispatch_graph(2)
+  # The calls of many arguments or outputs beside it price what each costs.
+  calls = {"launch": _dispatch_graph(2), "arguments": _call_graph(arguments=_CALL_TENSORS),
+           "outputs": _call_graph(outputs=_CALL_TENSORS)}
   steps, microbatched, beside = training_steps(
-      repeats, traced, say, beside={"launch": _function_and_args(launch, Graph(launch), 0)})
+      repeats, traced, say, beside={key: _function_and_args(g, Graph(g), 0)
+                                    for key, g in calls.items()})
   table.step_overhead = beside["launch"]
+  table.argument_overhead, table.output_overhead = call_costs(beside, beside["launch"])
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
-  points = in_step_points(steps + microbatched, table.step_overhead)
+  points = in_step_points(steps + microbatched, table.step_overhead,
+                          lambda graph: call_cost(table, graph))
   in_step = {op for op, _, _ in points.values()}
   fit = {sig: (op, model.roofline(cost), measured[sig])
          for sig, (op, cost) in costs.items()
@@ -1196,6 +1255,6 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
                     seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
   table.time_scale = time_scale
-  table.graph_scale, table.op_overhead = step_scale(table, steps, cluster)
+  table.graph_scale, table.op_overhead = step_scale(table, steps + microbatched, cluster)
   table.machine["chain_op_overhead"] = chain_overhead
   return table

@@ -583,9 +583,12 @@ class _Builder:
     table = self.cost.table
     self.start = None
     if table is not None and table.step_overhead:
-      # The runtime's fixed cost of launching a step, before any op runs.
-      self.start = self.tg.add_task("step launch", None, table.step_overhead,
-                                    kind="sync")
+      # The runtime's fixed cost of launching a step (and passing its
+      # arguments and outputs), before any op runs.
+      from tfsplit.graph.endpoints import graph_inputs, graph_outputs  # pylint: disable=import-outside-toplevel
+      launch = table.step_overhead + table.call_overhead(len(graph_inputs(self.graph)),
+                                                         len(graph_outputs(self.graph)))
+      self.start = self.tg.add_task("step launch", None, launch, kind="sync")
     for index, name in enumerate(order):
       node = self.graph.node(name)
       if node.op in _NO_TASK_OPS or name in self.var_nodes or \

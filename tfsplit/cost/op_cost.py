@@ -32,6 +32,7 @@ collective and of one cross-device transfer.
 """
 import dataclasses
 import json
+import math
 import statistics
 
 from tfsplit.cost import collectives
@@ -292,7 +293,10 @@ class CostTable:
     executor's dispatch gap between ops).
   time_scale: untraced / traced kernel time; profiling slows each kernel a
     little, this takes it back out.
-  step_overhead: seconds every step costs before its first op (launch).
+  step_overhead: seconds every step costs before its first op (launch:
+    a call of one argument and one output).
+  argument_overhead / output_overhead: seconds each further argument /
+    output of a call adds to it (call_overhead).
   stage_overhead: seconds each further pipeline stage adds to a step,
     beyond its transfers (calibrate.stage_overhead); None: not measured
     (tables from before it was), each stage then priced at step_overhead.
@@ -326,6 +330,8 @@ class CostTable:
   op_overhead: float = 0.0
   time_scale: float = 1.0
   step_overhead: float = 0.0
+  argument_overhead: float = 0.0
+  output_overhead: float = 0.0
   stage_overhead: float = None
   flops: float = None
   bandwidth: float = None
@@ -346,6 +352,23 @@ class CostTable:
     if self.concurrency is None:
       return None
     return concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
+
+  def call_overhead(self, arguments, outputs):
+    """Seconds a call of `arguments` inputs and `outputs` outputs pays
+    beyond step_overhead (whose call has one of each)."""
+    return (self.argument_overhead * max(0, arguments - 1) +
+            self.output_overhead * max(0, outputs - 1))
+
+  def concurrency_steps(self):
+    """{devices: [(seconds of a calibration step alone, its concurrency)]}
+    from the machine record ({} where it is not kept)."""
+    steps = self.machine.get("training_steps") or []
+    out = {}
+    for n, values in (self.machine.get("step_concurrency") or {}).items():
+      points = sorted((t, c) for t, c in zip(steps, values) if t and c)
+      if points:
+        out[int(n)] = points
+    return out
 
   def collective_for(self, group):
     """Seconds of one collective over a group of `group` logical devices."""
@@ -376,6 +399,8 @@ class CostTable:
             "flops": self.flops, "bandwidth": self.bandwidth,
             "op_overhead": self.op_overhead, "time_scale": self.time_scale,
             "step_overhead": self.step_overhead,
+            "argument_overhead": self.argument_overhead,
+            "output_overhead": self.output_overhead,
             "stage_overhead": self.stage_overhead,
             "default_factor": self.default_factor,
             "op_factor": dict(sorted(self.op_factor.items())),
@@ -412,6 +437,8 @@ class CostTable:
                  op_overhead=float(obj["op_overhead"]),
                  time_scale=float(obj["time_scale"]),
                  step_overhead=float(obj.get("step_overhead", 0.0)),
+                 argument_overhead=float(obj.get("argument_overhead", 0.0)),
+                 output_overhead=float(obj.get("output_overhead", 0.0)),
                  stage_overhead=(float(obj["stage_overhead"])
                                  if obj.get("stage_overhead") is not None else None),
                  flops=obj.get("flops"), bandwidth=obj.get("bandwidth"),
@@ -470,6 +497,29 @@ def concurrency_for(points, devices):
   the cores, more devices add no parallelism)."""
   below = [k for k in points if k <= devices]
   return points[max(below)] if below else 1.0
+
+
+def concurrency_at_size(steps, devices, seconds):
+  """Concurrency of `devices` logical devices each computing `seconds` a
+  step, from {n: [(seconds, concurrency)]} (CostTable.concurrency_steps):
+  of the largest n up to `devices`, linear in log(seconds) between the
+  steps' points, the end points' beyond; within [1, n]."""
+  below = [k for k in steps if k <= devices]
+  if not below:
+    return 1.0
+  n = max(below)
+  points = steps[n]
+  x = math.log(max(seconds, 1e-9))
+  xs = [math.log(t) for t, _ in points]
+  if x <= xs[0]:
+    value = points[0][1]
+  elif x >= xs[-1]:
+    value = points[-1][1]
+  else:
+    i = next(j for j in range(1, len(xs)) if x <= xs[j])
+    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
+    value = points[i - 1][1] + w * (points[i][1] - points[i - 1][1])
+  return min(float(n), max(1.0, value))
 
 
 def collectives_at_once(seconds, groups, overlap):

@@ -99,6 +99,9 @@ class ModelProfile:
   # The same two measured over more devices: {devices: value}.
   concurrency_at: dict = dataclasses.field(default_factory=dict)
   collective_at: dict = dataclasses.field(default_factory=dict)
+  # Per device count, (seconds of a step alone, its concurrency) of each
+  # calibration step: small steps overlap on the cores more than large ones.
+  concurrency_steps: dict = dataclasses.field(default_factory=dict)
   # The share of a collective's cost each further group running one at
   # the same moment adds (CostTable.collective_overlap).
   collective_overlap: float = 1.0
@@ -117,9 +120,12 @@ class ModelProfile:
       raise PlanError(f"model profile: {len(self.cuts)} cuts for {len(self.layers)} "
                       "layers; expected one cut between each pair of layers")
 
-  def concurrency_for(self, devices):
-    """How many of `devices` logical devices compute at once."""
+  def concurrency_for(self, devices, seconds=None):
+    """How many of `devices` logical devices compute at once; with
+    `seconds` (each device's compute in a step), at that step size."""
     from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+    if seconds is not None and self.concurrency_steps:
+      return op_cost.concurrency_at_size(self.concurrency_steps, devices, seconds)
     return op_cost.concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
 
   def launch(self, stages):
@@ -304,7 +310,9 @@ def from_analysis(analysis, cost_model, source=None):
   whole = graph_memory.static_memory(graph, shapes, [], {}, ["all"])[0]
   return ModelProfile(rows, cuts, global_batch(graph, shapes), other_update=other,
                       static_bytes=whole.constants + whole.inputs,
-                      step_overhead=table.step_overhead if table is not None else 0.0,
+                      step_overhead=(table.step_overhead + table.call_overhead(
+                          len(graph_inputs(graph)), len(graph_outputs(graph))))
+                      if table is not None else 0.0,
                       stage_overhead=table.stage_overhead if table is not None else None,
                       source=source,
                       concurrency=table.concurrency if table is not None else None,
@@ -313,6 +321,7 @@ def from_analysis(analysis, cost_model, source=None):
                       transfer_overhead=table.transfer_overhead
                       if table is not None else 0.0,
                       concurrency_at=dict(table.concurrency_at) if table is not None else {},
+                      concurrency_steps=table.concurrency_steps() if table is not None else {},
                       collective_at=dict(table.collective_at) if table is not None else {},
                       collective_overlap=table.collective_overlap if table is not None
                       else 1.0,

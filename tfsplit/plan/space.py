@@ -487,7 +487,7 @@ class Costing(object):
       launches += dp_launches * profile.collective_for(c.dp, groups=c.tp)
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
     transfers = 2 * crossing * groups * m
-    return (work / profile.concurrency_for(c.devices) + launches +
+    return (work / profile.concurrency_for(c.devices, work / c.devices) + launches +
             transfers * profile.transfer_overhead)
 
 
