@@ -17,6 +17,7 @@ from tfsplit.cost import op_cost
 from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
 from tfsplit.errors import CostTableError, PlanError
 from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph
+from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.runtime import timing
 
 import bench_estimate  # tools/, on sys.path (see conftest.py)
@@ -763,3 +764,72 @@ def test_collective_overlap_is_the_further_groups_share_within_0_and_1():
   assert calibrate.collective_overlap(500e-6, 100e-6, 2) == 1.0   # no worse than in turn
   assert op_cost.collectives_at_once(100e-6, 1, 0.4) == pytest.approx(100e-6)
   assert op_cost.collectives_at_once(100e-6, 3, 0.4) == pytest.approx(180e-6)
+
+
+def test_a_calls_arguments_and_outputs_cost_what_its_calls_beside_the_launch_add(tmp_path):
+  # The calibration's training steps are called with their weights and
+  # moments as arguments (17-143 of them, 3-4 us each here); a user's step
+  # captures its weights. What a call's further arguments and outputs add
+  # is priced by calls of 40 of each beside the launch's call of one.
+  for arguments, outputs in ((1, 1), (calibrate._CALL_TENSORS, 1), (1, calibrate._CALL_TENSORS)):  # pylint: disable=protected-access
+    graph = Graph(calibrate._call_graph(arguments, outputs))  # pylint: disable=protected-access
+    assert (len(graph_inputs(graph)), len(graph_outputs(graph))) == (arguments, outputs)
+  seconds = {"arguments": 100e-6 + 39 * 3e-6, "outputs": 100e-6 + 39 * 1e-6}
+  assert calibrate.call_costs(seconds, 100e-6) == pytest.approx((3e-6, 1e-6))
+  assert calibrate.call_costs({"arguments": 90e-6, "outputs": 90e-6}, 100e-6) == (0.0, 0.0)
+  path = str(tmp_path / "table.json")
+  op_cost.CostTable(step_overhead=1e-4, argument_overhead=3e-6, output_overhead=1e-6).save(path)
+  table = op_cost.CostTable.load(path)
+  assert table.call_overhead(1, 1) == 0.0   # the launch's call
+  assert table.call_overhead(11, 3) == pytest.approx(10 * 3e-6 + 2 * 1e-6)
+  step = Graph(calibrate._training_graph(1, 2, 4, 8))  # pylint: disable=protected-access
+  assert calibrate.call_cost(table, step) == pytest.approx(
+      table.call_overhead(len(graph_inputs(step)), len(graph_outputs(step))))
+  assert len(graph_inputs(step)) > 10   # its weights and moments are fed
+
+
+def test_step_scale_fits_the_lines_scale_and_each_ops_gap_over_the_steps():
+  # Steps timed at 1.1 x their ops' times by the lines + 0.8 us per op +
+  # the launch and their calls' arguments: step_scale gives back (1.1,
+  # 0.8 us). With the gap left out (the ratio of the sums, as before) the
+  # smallest step would be priced well below its time.
+  table = op_cost.CostTable(step_overhead=1e-4, argument_overhead=3e-6, output_overhead=1e-6,
+                            flops=1e10, bandwidth=1e10)
+  cluster = ClusterSpec([Device("d", "h", "cpu", 1, 1e10, {"float32": 1e10})],
+                        [Host("h", Link(1e10, 0), Link(1e10, 0))])
+  model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
+  steps = []
+  for sizes in ((1, 2, 4, 8), (2, 4, 8, 16), (1, 8, 16, 32), (2, 16, 32, 64)):
+    graph = Graph(calibrate._training_graph(*sizes))  # pylint: disable=protected-access
+    shapes = infer_shapes(graph, [])
+    costs = [op_cost.node_cost(n, shapes, graph) for n in graph.nodes]
+    lines = sum(model.compute_time(c) for c in costs if not c.comm)
+    ops = sum(1 for c in costs if not c.comm)
+    seconds = 1.1 * lines + 0.8e-6 * ops + 1e-4 + calibrate.call_cost(table, graph)
+    steps.append((graph, shapes, calibrate.Profile({}, seconds, seconds), lines, ops))
+  scale, gap = calibrate.step_scale(table, [s[:3] for s in steps], cluster)
+  assert (scale, gap) == pytest.approx((1.1, 0.8e-6), rel=1e-6)
+  graph, shapes, profile, lines, ops = steps[0]
+  ratio_of_sums = (sum(s[2].step_time - 1e-4 - calibrate.call_cost(table, s[0]) for s in steps) /
+                   sum(s[3] for s in steps))
+  assert ratio_of_sums * lines < 0.97 * (profile.step_time - 1e-4 - calibrate.call_cost(table, graph))
+
+
+def test_concurrency_of_logical_cpus_follows_the_steps_size():
+  # Small steps' ops overlap on the shared cores more than large ones':
+  # each calibration step's concurrency is kept with its time, and a
+  # device's step is priced at the concurrency of steps its size (linear
+  # in log time between them, the ends' beyond), of the largest device
+  # count measured up to the devices'.
+  table = op_cost.CostTable(concurrency=1.4, concurrency_at={4: 1.5},
+                            machine={"training_steps": [1e-3, 1e-2, 4e-3],
+                                     "step_concurrency": {"2": [1.6, 1.2, 1.3],
+                                                          "4": [1.7, 1.25, 1.4]}})
+  steps = table.concurrency_steps()
+  assert steps == {2: [(1e-3, 1.6), (4e-3, 1.3), (1e-2, 1.2)],
+                   4: [(1e-3, 1.7), (4e-3, 1.4), (1e-2, 1.25)]}
+  at = lambda n, t: op_cost.concurrency_at_size(steps, n, t)  # pylint: disable=unnecessary-lambda-assignment
+  assert [at(2, t) for t in (1e-4, 1e-3, 2e-3, 4e-3, 1e-2, 1.0)] == pytest.approx(
+      [1.6, 1.6, 1.45, 1.3, 1.2, 1.2])
+  assert (at(3, 1e-2), at(8, 1e-3), at(1, 1e-3)) == pytest.approx((1.2, 1.7, 1.0))
+  assert op_cost.CostTable(concurrency=1.4).concurrency_steps() == {}

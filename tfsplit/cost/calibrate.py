@@ -857,6 +857,41 @@ def step_scale(table, steps, cluster):
   return float(y.sum() / x[:, 0].sum()), 0.0   # the ratio of the sums, no gap
 
 
+def kernel_and_gap_concurrency(table, steps, per_step, cluster):
+  """({n: kernels' concurrency}, {n: gaps' concurrency}) of n logical
+  CPUs: each training step of `steps` (one per entry of per_step[n], its
+  measured concurrency C, step_concurrency) is its ops' work K (the lines
+  at graph_scale) and their gaps G (op_overhead each), and n copies in
+  lockstep take n K / c_k + n G / c_g, so 1 / C = (K / c_k + G / c_g) /
+  (K + G): least squares relative to each step, each within [1, n].
+  One concurrency for both priced a GPT's dp=2 replicas, a third of whose
+  time is gaps, at up to 1.27 of their measured step: the small steps,
+  mostly gaps, overlap on the cores further than large ones (1.5-1.7
+  against 1.25-1.35 measured); ({}, {}) without gaps (op_overhead 0)."""
+  if not table.op_overhead:
+    return {}, {}
+  model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
+  work = []
+  for graph, shapes, _ in steps:
+    costs = [op_cost.node_cost(node, shapes, graph) for node in graph.nodes]
+    costs = [c for c in costs if not c.comm]
+    work.append((sum(model.compute_time(c, 0, None) for c in costs),
+                 table.op_overhead * len(costs)))
+  kernels, gaps = {}, {}
+  for n, measured in per_step.items():
+    rows = [(k / (k + g), g / (k + g), 1.0 / c)
+            for (k, g), c in zip(work, measured) if c and k + g > 0]
+    if len(rows) < 2:
+      continue
+    x = np.array([[a, b] for a, b, _ in rows])
+    y = np.array([t for _, _, t in rows])
+    w = 1.0 / y
+    inverse, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+    inverse = np.clip(inverse, 1.0 / n, 1.0)
+    kernels[int(n)], gaps[int(n)] = float(1.0 / inverse[0]), float(1.0 / inverse[1])
+  return kernels, gaps
+
+
 def call_cost(table, graph):
   """Seconds a call of `graph` as a function pays for its arguments and
   outputs beyond the launch's (CostTable.call_overhead)."""
@@ -1256,5 +1291,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
                     seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
   table.time_scale = time_scale
   table.graph_scale, table.op_overhead = step_scale(table, steps + microbatched, cluster)
+  table.kernel_concurrency, table.gap_concurrency = kernel_and_gap_concurrency(
+      table, steps, {int(n): r for n, r in devices["per_step"].items()}, cluster)
   table.machine["chain_op_overhead"] = chain_overhead
   return table

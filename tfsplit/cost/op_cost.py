@@ -314,6 +314,9 @@ class CostTable:
     of one tensor sent to another logical device.
   concurrency_at / collective_at: the same measured over more devices
     ({devices: value}; see concurrency_for and collective_for).
+  kernel_concurrency / gap_concurrency: {devices: how many devices' ops'
+    work, and how many devices' per-op gaps (op_overhead), run at once}
+    (calibrate.kernel_and_gap_concurrency); {}: not measured.
   collective_overlap: the share of one group's collective cost that each
     further group running one at the same moment adds (two tensor-parallel
     pairs of a dp=2,tp=2 split all-reduce side by side; their waits partly
@@ -345,6 +348,8 @@ class CostTable:
   concurrency_at: dict = dataclasses.field(default_factory=dict)
   collective_at: dict = dataclasses.field(default_factory=dict)
   collective_overlap: float = 1.0
+  kernel_concurrency: dict = dataclasses.field(default_factory=dict)
+  gap_concurrency: dict = dataclasses.field(default_factory=dict)
 
   def concurrency_for(self, devices):
     """How many of `devices` logical devices compute at once (None: they
@@ -413,6 +418,8 @@ class CostTable:
             "concurrency_at": {str(k): v for k, v in sorted(self.concurrency_at.items())},
             "collective_at": {str(k): v for k, v in sorted(self.collective_at.items())},
             "collective_overlap": self.collective_overlap,
+            "kernel_concurrency": {str(k): v for k, v in sorted(self.kernel_concurrency.items())},
+            "gap_concurrency": {str(k): v for k, v in sorted(self.gap_concurrency.items())},
             "entries": dict(sorted(self.entries.items()))}
 
   def save(self, path):
@@ -455,7 +462,11 @@ class CostTable:
                                  (obj.get("concurrency_at") or {}).items()},
                  collective_at={int(k): float(v) for k, v in
                                 (obj.get("collective_at") or {}).items()},
-                 collective_overlap=float(obj.get("collective_overlap", 1.0)))
+                 collective_overlap=float(obj.get("collective_overlap", 1.0)),
+                 kernel_concurrency={int(k): float(v) for k, v in
+                                     (obj.get("kernel_concurrency") or {}).items()},
+                 gap_concurrency={int(k): float(v) for k, v in
+                                  (obj.get("gap_concurrency") or {}).items()})
     except (KeyError, TypeError, ValueError, AttributeError) as e:
       raise CostTableError(f"calibration table '{path}': malformed ({e}); "
                            "rerun 'tfsplit calibrate'") from None

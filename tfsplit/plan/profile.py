@@ -59,6 +59,10 @@ class LayerRow:
   forward_fixed: float = 0.0
   backward_fixed: float = 0.0
   update_fixed: float = 0.0  # the part of `update` that ZeRO's sharding keeps
+  # Ops priced in forward / backward / update (each pays the profile's op_gap).
+  forward_ops: int = 0
+  backward_ops: int = 0
+  update_ops: int = 0
   variables: int = 0        # weight tensors (ZeRO gathers each one)
   # All-reduces per micro-batch when split over tp (a row-parallel matrix
   # all-reduces its output, a column-parallel one its input's gradient, once
@@ -102,6 +106,14 @@ class ModelProfile:
   # Per device count, (seconds of a step alone, its concurrency) of each
   # calibration step: small steps overlap on the cores more than large ones.
   concurrency_steps: dict = dataclasses.field(default_factory=dict)
+  # Seconds every op pays inside a step beyond its line (the table's
+  # op_overhead, inside the fixed parts), and per device count how many
+  # devices' kernels and how many devices' gaps run at once (the gaps, not
+  # the ops' work, overlap on the shared cores); {}: all at the concurrency.
+  op_gap: float = 0.0
+  kernel_concurrency: dict = dataclasses.field(default_factory=dict)
+  gap_concurrency: dict = dataclasses.field(default_factory=dict)
+  other_update_ops: int = 0
   # The share of a collective's cost each further group running one at
   # the same moment adds (CostTable.collective_overlap).
   collective_overlap: float = 1.0
@@ -127,6 +139,15 @@ class ModelProfile:
     if seconds is not None and self.concurrency_steps:
       return op_cost.concurrency_at_size(self.concurrency_steps, devices, seconds)
     return op_cost.concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
+
+  def kernel_and_gap_concurrency(self, devices):
+    """(kernels' concurrency, gaps' concurrency) of `devices` logical
+    devices; None where the table measured no split."""
+    if not self.op_gap or not self.gap_concurrency:
+      return None
+    from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
+    return (op_cost.concurrency_for(self.kernel_concurrency, devices),
+            op_cost.concurrency_for(self.gap_concurrency, devices))
 
   def launch(self, stages):
     """Fixed seconds of a step cut into `stages` pipeline stages: the
@@ -228,10 +249,11 @@ def from_analysis(analysis, cost_model, source=None):
       batch_dependent.add(name)
 
   def parts(names, per_step=None):
-    """(fixed, total) seconds of the compute ops among `names`; with
-    per_step (a [fixed, total] list), ops that do not depend on the batch
-    go there instead."""
+    """(fixed, total) seconds and the count of the compute ops among
+    `names`; with per_step (a [fixed, total, ops] list), ops that do not
+    depend on the batch go there instead."""
     fixed = total = 0.0
+    ops = 0
     for name in names:
       node = graph.node(name)
       cost = op_cost.node_cost(node, shapes, graph)
@@ -241,10 +263,12 @@ def from_analysis(analysis, cost_model, source=None):
         if per_step is not None and name not in batch_dependent:
           per_step[0] += f
           per_step[1] += f + w
+          per_step[2] += 1
           continue
         fixed += f
         total += f + w
-    return fixed, total
+        ops += 1
+    return fixed, total, ops
 
   # The repeated blocks have the same ops and parameter shapes: price one
   # block's update for all (the update is most of a training graph's ops).
@@ -261,14 +285,17 @@ def from_analysis(analysis, cost_model, source=None):
   # Ops run per micro-batch: each pays its fixed time (the per-op overhead
   # and its op type's set-up) whatever the micro-batch; the rest scales.
   fixed_f, fixed_b, seconds = [0.0] * len(model), [0.0] * len(model), [0.0] * len(model)
-  once = [[0.0, 0.0] for _ in model]   # per layer: ops that run once per step
+  ops_f, ops_b = [0] * len(model), [0] * len(model)
+  once = [[0.0, 0.0, 0] for _ in model]   # per layer: ops that run once per step
   for layer in report.layers:
     if layer.name in owner:
       k = owner[layer.name]
-      f, total_f = parts(layer.forward, once[k])
-      b, total_b = parts(layer.backward, once[k])
+      f, total_f, n_f = parts(layer.forward, once[k])
+      b, total_b, n_b = parts(layer.backward, once[k])
       fixed_f[k] += f
       fixed_b[k] += b
+      ops_f[k] += n_f
+      ops_b[k] += n_b
       seconds[k] += total_f + total_b
   var_shape = {v.node: v.shape for v in analysis.variables}
   # The all-reduces the megatron preset's split of each block adds, counted
@@ -286,12 +313,13 @@ def from_analysis(analysis, cost_model, source=None):
     flops = layer.forward_flops + layer.backward_flops
     fshare = layer.forward_flops / flops if flops else 1 / 3
     work = max(0.0, seconds[k] - fixed_f[k] - fixed_b[k])
-    upd_fixed, upd = layer_update(layer)
-    upd_fixed, upd = upd_fixed + once[k][0], upd + once[k][1]
+    upd_fixed, upd, upd_ops = layer_update(layer)
+    upd_fixed, upd, upd_ops = upd_fixed + once[k][0], upd + once[k][1], upd_ops + once[k][2]
     rows.append(LayerRow(
         name=layer.name, forward=work * fshare, backward=work * (1 - fshare),
         forward_fixed=fixed_f[k], backward_fixed=fixed_b[k],
         update=upd, update_fixed=upd_fixed, variables=len(layer.variables),
+        forward_ops=ops_f[k], backward_ops=ops_b[k], update_ops=upd_ops,
         tp_collectives=tp_collectives[k],
         params=layer.param_bytes,
         slots=layer.slot_bytes, activations=acts[k],
@@ -299,7 +327,7 @@ def from_analysis(analysis, cost_model, source=None):
         tp_split=layer.block or split_by_preset[k],
         max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables))))
   shared = [l for l in report.layers if not l.variables]
-  _, other = parts([n for l in shared for n in l.update])
+  _, other, other_ops = parts([n for l in shared for n in l.update])
   table = cost_model.table
   from tfsplit.graph.endpoints import graph_outputs  # pylint: disable=import-outside-toplevel
   step_outputs = sum(1 for name in graph_outputs(graph) if name in batch_dependent)
@@ -309,6 +337,11 @@ def from_analysis(analysis, cost_model, source=None):
   from tfsplit.memory import graph_memory  # pylint: disable=import-outside-toplevel
   whole = graph_memory.static_memory(graph, shapes, [], {}, ["all"])[0]
   return ModelProfile(rows, cuts, global_batch(graph, shapes), other_update=other,
+                      other_update_ops=other_ops,
+                      op_gap=cost_model.op_overhead,
+                      kernel_concurrency=dict(table.kernel_concurrency)
+                      if table is not None else {},
+                      gap_concurrency=dict(table.gap_concurrency) if table is not None else {},
                       static_bytes=whole.constants + whole.inputs,
                       step_overhead=(table.step_overhead + table.call_overhead(
                           len(graph_inputs(graph)), len(graph_outputs(graph))))

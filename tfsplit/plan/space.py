@@ -234,6 +234,8 @@ class Costing(object):
     self.fwd, self.bwd, self.upd = col("forward"), col("backward"), col("update")
     self.fwd_fixed, self.bwd_fixed = col("forward_fixed"), col("backward_fixed")
     self.upd_fixed, self.variables = col("update_fixed"), col("variables")
+    self.fwd_ops, self.bwd_ops, self.upd_ops = (col("forward_ops"), col("backward_ops"),
+                                                col("update_ops"))
     self.tp_collectives = col("tp_collectives")
     self.params, self.slots = col("params"), col("slots")
     self.acts, self.inp = col("activations"), col("input_bytes")
@@ -463,6 +465,11 @@ class Costing(object):
     upd_work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
     per_step = float((upd_work + self.upd_fixed).sum()) + profile.other_update
     work = groups * (m * per_micro + per_step)
+    # The per-op gaps inside that work, where they overlap apart.
+    ops = (m * float((self.fwd_ops + self.bwd_ops +
+                      np.where(again & self.split, self.fwd_ops, 0.0)).sum()) +
+           float(self.upd_ops.sum()) + profile.other_update_ops)
+    gaps = groups * ops * profile.op_gap
     # Seconds of the collectives' fixed costs: each over its group's size.
     launches = 0.0
     # The dp replicas' tensor-parallel groups all-reduce at the same
@@ -487,8 +494,13 @@ class Costing(object):
       launches += dp_launches * profile.collective_for(c.dp, groups=c.tp)
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
     transfers = 2 * crossing * groups * m
-    return (work / profile.concurrency_for(c.devices, work / c.devices) + launches +
-            transfers * profile.transfer_overhead)
+    split_concurrency = profile.kernel_and_gap_concurrency(c.devices)
+    if split_concurrency is not None:
+      kernels, gap = split_concurrency
+      compute = max(0.0, work - gaps) / kernels + gaps / gap
+    else:
+      compute = work / profile.concurrency_for(c.devices, work / c.devices)
+    return compute + launches + transfers * profile.transfer_overhead
 
 
 def even_ranges(n, chunks):
