@@ -815,21 +815,27 @@ def test_step_scale_fits_the_lines_scale_and_each_ops_gap_over_the_steps():
   assert ratio_of_sums * lines < 0.97 * (profile.step_time - 1e-4 - calibrate.call_cost(table, graph))
 
 
-def test_concurrency_of_logical_cpus_follows_the_steps_size():
-  # Small steps' ops overlap on the shared cores more than large ones':
-  # each calibration step's concurrency is kept with its time, and a
-  # device's step is priced at the concurrency of steps its size (linear
-  # in log time between them, the ends' beyond), of the largest device
-  # count measured up to the devices'.
-  table = op_cost.CostTable(concurrency=1.4, concurrency_at={4: 1.5},
-                            machine={"training_steps": [1e-3, 1e-2, 4e-3],
-                                     "step_concurrency": {"2": [1.6, 1.2, 1.3],
-                                                          "4": [1.7, 1.25, 1.4]}})
-  steps = table.concurrency_steps()
-  assert steps == {2: [(1e-3, 1.6), (4e-3, 1.3), (1e-2, 1.2)],
-                   4: [(1e-3, 1.7), (4e-3, 1.4), (1e-2, 1.25)]}
-  at = lambda n, t: op_cost.concurrency_at_size(steps, n, t)  # pylint: disable=unnecessary-lambda-assignment
-  assert [at(2, t) for t in (1e-4, 1e-3, 2e-3, 4e-3, 1e-2, 1.0)] == pytest.approx(
-      [1.6, 1.6, 1.45, 1.3, 1.2, 1.2])
-  assert (at(3, 1e-2), at(8, 1e-3), at(1, 1e-3)) == pytest.approx((1.2, 1.7, 1.0))
-  assert op_cost.CostTable(concurrency=1.4).concurrency_steps() == {}
+def test_kernel_and_gap_concurrency_come_back_from_the_steps_measured_concurrency():
+  # Steps whose copies overlap their work 1.25 x and their per-op gaps
+  # 1.8 x (n = 2): each step's concurrency is the mix of its work and
+  # gaps; the fit over the steps gives both back. A table without gaps
+  # (op_overhead 0) measures no split.
+  table = op_cost.CostTable(op_overhead=1e-6, flops=1e10, bandwidth=1e10)
+  cluster = ClusterSpec([Device("d", "h", "cpu", 1, 1e10, {"float32": 1e10})],
+                        [Host("h", Link(1e10, 0), Link(1e10, 0))])
+  model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
+  steps, measured = [], []
+  for sizes in ((1, 2, 4, 8), (2, 4, 8, 16), (1, 8, 16, 32), (2, 16, 32, 64)):
+    graph = Graph(calibrate._training_graph(*sizes))  # pylint: disable=protected-access
+    shapes = infer_shapes(graph, [])
+    costs = [c for c in (op_cost.node_cost(n, shapes, graph) for n in graph.nodes)
+             if not c.comm]
+    work = sum(model.compute_time(c) for c in costs)
+    gaps = 1e-6 * len(costs)
+    steps.append((graph, shapes, None))
+    measured.append((work + gaps) / (work / 1.25 + gaps / 1.8))
+  assert len({round(c, 3) for c in measured}) == len(measured)   # steps of different mixes
+  kernels, gaps = calibrate.kernel_and_gap_concurrency(table, steps, {2: measured}, cluster)
+  assert kernels == pytest.approx({2: 1.25}) and gaps == pytest.approx({2: 1.8})
+  table.op_overhead = 0.0
+  assert calibrate.kernel_and_gap_concurrency(table, steps, {2: measured}, cluster) == ({}, {})

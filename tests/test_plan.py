@@ -602,6 +602,32 @@ def test_groups_collectives_at_the_same_moments_add_their_measured_share():
     assert step(alone, 1.0) == step(alone, 0.25)
 
 
+def test_logical_cpus_overlap_ops_work_and_their_gaps_apart():
+  # On logical CPUs sharing cores, a step's per-op gaps (op_gap a call,
+  # inside the fixed parts) overlap at the gaps' concurrency and the rest
+  # of the work at the kernels'. One layer of 100 forward and 200 backward
+  # ops (1 us gap each) and 50 update ops: dp=2 runs 2 x (300 + 50) gaps.
+  rows = [profile_lib.LayerRow("l0", 2e-3, 4e-3, 1e-3, 64, 128, 64, 0, False,
+                               forward_fixed=1e-4, backward_fixed=2e-4, update_fixed=5e-5,
+                               forward_ops=100, backward_ops=200, update_ops=50)]
+  cluster = cluster_lib.from_preset("cpu-host", 4, devices_per_host=4)
+  base = dict(batch=8, concurrency=1.4, op_gap=1e-6)
+  dp2 = space.Candidate(2, 1, 1, 1)
+
+  def host_time(**extra):
+    profile = profile_lib.ModelProfile(rows, [], **base, **extra)
+    return space.Costing(profile, cluster).shared_host_time(dp2, [(0, 1)], [False])
+
+  work = 2 * ((2e-3 + 4e-3) / 2 + 1e-4 + 2e-4 + 1e-3)
+  gaps = 2 * 350 * 1e-6
+  assert host_time() == pytest.approx(work / 1.4)   # one concurrency for all
+  split = host_time(kernel_concurrency={2: 1.25}, gap_concurrency={2: 2.0})
+  assert split == pytest.approx((work - gaps) / 1.25 + gaps / 2.0)
+  # Without gaps (op_gap 0) the split does not apply.
+  assert profile_lib.ModelProfile(rows, [], batch=8, concurrency=1.4,
+                                  gap_concurrency={2: 2.0}).kernel_and_gap_concurrency(2) is None
+
+
 def test_cluster_spec_with_too_few_devices_is_one_line(tmp_path, capsys):
   spec = tmp_path / "two.json"
   cluster_lib.from_preset("a100-40gb", 2).save(str(spec))

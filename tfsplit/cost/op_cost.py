@@ -32,7 +32,6 @@ collective and of one cross-device transfer.
 """
 import dataclasses
 import json
-import math
 import statistics
 
 from tfsplit.cost import collectives
@@ -364,17 +363,6 @@ class CostTable:
     return (self.argument_overhead * max(0, arguments - 1) +
             self.output_overhead * max(0, outputs - 1))
 
-  def concurrency_steps(self):
-    """{devices: [(seconds of a calibration step alone, its concurrency)]}
-    from the machine record ({} where it is not kept)."""
-    steps = self.machine.get("training_steps") or []
-    out = {}
-    for n, values in (self.machine.get("step_concurrency") or {}).items():
-      points = sorted((t, c) for t, c in zip(steps, values) if t and c)
-      if points:
-        out[int(n)] = points
-    return out
-
   def collective_for(self, group):
     """Seconds of one collective over a group of `group` logical devices."""
     return collective_for({2: self.collective_overhead, **self.collective_at}, group)
@@ -508,29 +496,6 @@ def concurrency_for(points, devices):
   the cores, more devices add no parallelism)."""
   below = [k for k in points if k <= devices]
   return points[max(below)] if below else 1.0
-
-
-def concurrency_at_size(steps, devices, seconds):
-  """Concurrency of `devices` logical devices each computing `seconds` a
-  step, from {n: [(seconds, concurrency)]} (CostTable.concurrency_steps):
-  of the largest n up to `devices`, linear in log(seconds) between the
-  steps' points, the end points' beyond; within [1, n]."""
-  below = [k for k in steps if k <= devices]
-  if not below:
-    return 1.0
-  n = max(below)
-  points = steps[n]
-  x = math.log(max(seconds, 1e-9))
-  xs = [math.log(t) for t, _ in points]
-  if x <= xs[0]:
-    value = points[0][1]
-  elif x >= xs[-1]:
-    value = points[-1][1]
-  else:
-    i = next(j for j in range(1, len(xs)) if x <= xs[j])
-    w = (x - xs[i - 1]) / (xs[i] - xs[i - 1]) if xs[i] > xs[i - 1] else 1.0
-    value = points[i - 1][1] + w * (points[i][1] - points[i - 1][1])
-  return min(float(n), max(1.0, value))
 
 
 def collectives_at_once(seconds, groups, overlap):

@@ -103,9 +103,6 @@ class ModelProfile:
   # The same two measured over more devices: {devices: value}.
   concurrency_at: dict = dataclasses.field(default_factory=dict)
   collective_at: dict = dataclasses.field(default_factory=dict)
-  # Per device count, (seconds of a step alone, its concurrency) of each
-  # calibration step: small steps overlap on the cores more than large ones.
-  concurrency_steps: dict = dataclasses.field(default_factory=dict)
   # Seconds every op pays inside a step beyond its line (the table's
   # op_overhead, inside the fixed parts), and per device count how many
   # devices' kernels and how many devices' gaps run at once (the gaps, not
@@ -132,12 +129,9 @@ class ModelProfile:
       raise PlanError(f"model profile: {len(self.cuts)} cuts for {len(self.layers)} "
                       "layers; expected one cut between each pair of layers")
 
-  def concurrency_for(self, devices, seconds=None):
-    """How many of `devices` logical devices compute at once; with
-    `seconds` (each device's compute in a step), at that step size."""
+  def concurrency_for(self, devices):
+    """How many of `devices` logical devices compute at once."""
     from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
-    if seconds is not None and self.concurrency_steps:
-      return op_cost.concurrency_at_size(self.concurrency_steps, devices, seconds)
     return op_cost.concurrency_for({2: self.concurrency, **self.concurrency_at}, devices)
 
   def kernel_and_gap_concurrency(self, devices):
@@ -354,7 +348,6 @@ def from_analysis(analysis, cost_model, source=None):
                       transfer_overhead=table.transfer_overhead
                       if table is not None else 0.0,
                       concurrency_at=dict(table.concurrency_at) if table is not None else {},
-                      concurrency_steps=table.concurrency_steps() if table is not None else {},
                       collective_at=dict(table.collective_at) if table is not None else {},
                       collective_overlap=table.collective_overlap if table is not None
                       else 1.0,

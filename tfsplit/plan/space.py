@@ -32,7 +32,10 @@ it on small MLP steps cut into 2 and 4 stages).
 On logical devices that share one machine's cores (a profile calibrated
 with a concurrency, as `tfsplit calibrate` measures for this machine's
 logical CPUs) the devices do not compute side by side: the step is at
-least all devices' work over the concurrency of that many devices, plus
+least all devices' work over the concurrency of that many devices (with
+a table that measured them apart, the per-op gaps inside that work over
+the gaps' concurrency and the rest over the kernels': the executor's gaps
+between small ops overlap on the cores further than the ops' work), plus
 the fixed cost of each collective, which grows with its group (per micro-batch and tensor-parallel group, an all-reduce per
 weight matrix of a split layer, 4 in a transformer block; per step, a
 gradient all-reduce per bucket and group, and with ZeRO an all-gather per
@@ -499,7 +502,7 @@ class Costing(object):
       kernels, gap = split_concurrency
       compute = max(0.0, work - gaps) / kernels + gaps / gap
     else:
-      compute = work / profile.concurrency_for(c.devices, work / c.devices)
+      compute = work / profile.concurrency_for(c.devices)
     return compute + launches + transfers * profile.transfer_overhead
 
 
