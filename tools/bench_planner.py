@@ -208,7 +208,10 @@ def measured(specs):
       table.save(path)
   spec = cluster_lib.from_preset("cpu-host", devices, devices_per_host=devices)
   print(f"\npredicted vs measured on {devices} logical CPUs (micro-benchmark calibration "
-        f"in {time.perf_counter() - t0:.0f} s; per op {table.op_overhead * 1e6:.1f} us, "
+        f"in {time.perf_counter() - t0:.0f} s; per op {table.op_overhead * 1e6:.2f} us "
+        f"(overlapping x{table.gap_concurrency.get(2, 0):.2f}, their work "
+        f"x{table.kernel_concurrency.get(2, 0):.2f} on 2 devices), each further argument "
+        f"{table.argument_overhead * 1e6:.1f} us, "
         f"ops in a step x{table.graph_scale:.2f}, concurrency {table.concurrency or 0:.2f} "
         f"(4 devices: {table.concurrency_for(4) or 0:.2f}), collective "
         f"{table.collective_overhead * 1e6:.0f} us (4 devices: "
