@@ -484,6 +484,12 @@ def test_in_step_points_scale_each_op_by_its_steps_untraced_time():
         [(graph, shapes, calibrate.Profile(traced, step, 4e-3))], launch=2e-3)
     got = sorted(seconds for _, _, seconds in points.values())
     assert got == pytest.approx([1e-3 * scale, 3e-3 * scale])
+  # What the step's call pays for its arguments is outside its ops too:
+  # 6 ms less 2 of launch and 1 of arguments, 3 ms over 4 traced.
+  points = calibrate.in_step_points([(graph, shapes, calibrate.Profile(traced, 6e-3, 4e-3))],
+                                    launch=2e-3, call_cost=lambda g: 1e-3)
+  assert sorted(seconds for _, _, seconds in points.values()) == pytest.approx(
+      [0.75e-3, 2.25e-3])
 
 
 def test_fused_matmul_and_bias_add_are_a_point_of_the_matmul_line():
