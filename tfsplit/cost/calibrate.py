@@ -817,6 +817,25 @@ def lines_fitted_in_steps(in_step, mlp_steps):
   return set(in_step) - _DENSE_LINES - step_lines(mlp_steps)
 
 
+def _priced_ops(model, graph, shapes):
+  """(seconds, count) of the ops of `graph` the planner prices (all but
+  collectives) by `model`."""
+  seconds, ops = 0.0, 0
+  for node in graph.nodes:
+    cost = op_cost.node_cost(node, shapes, graph)
+    if not cost.comm:
+      seconds += model.compute_time(cost, 0, None)
+      ops += 1
+  return seconds, ops
+
+
+def _relative_least_squares(x, y):
+  """The least-squares solution of x @ sol = y relative to each y."""
+  w = 1.0 / y
+  sol, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+  return sol
+
+
 def step_scale(table, steps, cluster):
   """(scale s, overhead per op d) of ops inside a training step: the
   untraced step times of `steps` (training steps, micro-batched ones too)
@@ -834,13 +853,7 @@ def step_scale(table, steps, cluster):
   model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
   rows, target = [], []
   for graph, shapes, profile in steps:
-    ops, seconds = 0, 0.0
-    for node in graph.nodes:
-      cost = op_cost.node_cost(node, shapes, graph)
-      if cost.comm:
-        continue
-      seconds += model.compute_time(cost, 0, None)
-      ops += 1
+    seconds, ops = _priced_ops(model, graph, shapes)
     outside = table.step_overhead + call_cost(table, graph)
     logging.info("training step: %.3f ms, %d ops, %.3f ms by the lines",
                  profile.step_time * 1e3, ops, seconds * 1e3)
@@ -850,8 +863,7 @@ def step_scale(table, steps, cluster):
   if not rows:
     return 1.0, 0.0
   x, y = np.array(rows, dtype=float), np.array(target)
-  w = 1.0 / y
-  sol, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
+  sol = _relative_least_squares(x, y)
   if sol[0] > 0 and sol[1] >= 0:
     return float(sol[0]), float(sol[1])
   return float(y.sum() / x[:, 0].sum()), 0.0   # the ratio of the sums, no gap
@@ -873,10 +885,8 @@ def kernel_and_gap_concurrency(table, steps, per_step, cluster):
   model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
   work = []
   for graph, shapes, _ in steps:
-    costs = [op_cost.node_cost(node, shapes, graph) for node in graph.nodes]
-    costs = [c for c in costs if not c.comm]
-    work.append((sum(model.compute_time(c, 0, None) for c in costs),
-                 table.op_overhead * len(costs)))
+    seconds, ops = _priced_ops(model, graph, shapes)
+    work.append((seconds, table.op_overhead * ops))
   kernels, gaps = {}, {}
   for n, measured in per_step.items():
     rows = [(k / (k + g), g / (k + g), 1.0 / c)
@@ -885,18 +895,15 @@ def kernel_and_gap_concurrency(table, steps, per_step, cluster):
       continue
     x = np.array([[a, b] for a, b, _ in rows])
     y = np.array([t for _, _, t in rows])
-    w = 1.0 / y
-    inverse, *_ = np.linalg.lstsq(x * w[:, None], y * w, rcond=None)
-    inverse = np.clip(inverse, 1.0 / n, 1.0)
+    inverse = np.clip(_relative_least_squares(x, y), 1.0 / n, 1.0)
     kernels[int(n)], gaps[int(n)] = float(1.0 / inverse[0]), float(1.0 / inverse[1])
   return kernels, gaps
 
 
 def call_cost(table, graph):
   """Seconds a call of `graph` as a function pays for its arguments and
-  outputs beyond the launch's (CostTable.call_overhead)."""
-  from tfsplit.graph.endpoints import graph_inputs, graph_outputs  # pylint: disable=import-outside-toplevel
-  return table.call_overhead(len(graph_inputs(graph)), len(graph_outputs(graph)))
+  outputs beyond the launch's (CostTable.graph_call_overhead)."""
+  return table.graph_call_overhead(graph)
 
 
 def _devices_graph(kind, length, devices=2):

@@ -585,9 +585,7 @@ class _Builder:
     if table is not None and table.step_overhead:
       # The runtime's fixed cost of launching a step (and passing its
       # arguments and outputs), before any op runs.
-      from tfsplit.graph.endpoints import graph_inputs, graph_outputs  # pylint: disable=import-outside-toplevel
-      launch = table.step_overhead + table.call_overhead(len(graph_inputs(self.graph)),
-                                                         len(graph_outputs(self.graph)))
+      launch = table.step_overhead + table.graph_call_overhead(self.graph)
       self.start = self.tg.add_task("step launch", None, launch, kind="sync")
     for index, name in enumerate(order):
       node = self.graph.node(name)

@@ -363,6 +363,12 @@ class CostTable:
     return (self.argument_overhead * max(0, arguments - 1) +
             self.output_overhead * max(0, outputs - 1))
 
+  def graph_call_overhead(self, graph):
+    """call_overhead of a call of `graph` (a tfsplit Graph) as a function:
+    its inputs and outputs."""
+    from tfsplit.graph.endpoints import graph_inputs, graph_outputs  # pylint: disable=import-outside-toplevel
+    return self.call_overhead(len(graph_inputs(graph)), len(graph_outputs(graph)))
+
   def collective_for(self, group):
     """Seconds of one collective over a group of `group` logical devices."""
     return collective_for({2: self.collective_overhead, **self.collective_at}, group)

@@ -337,8 +337,7 @@ def from_analysis(analysis, cost_model, source=None):
                       if table is not None else {},
                       gap_concurrency=dict(table.gap_concurrency) if table is not None else {},
                       static_bytes=whole.constants + whole.inputs,
-                      step_overhead=(table.step_overhead + table.call_overhead(
-                          len(graph_inputs(graph)), len(graph_outputs(graph))))
+                      step_overhead=table.step_overhead + table.graph_call_overhead(graph)
                       if table is not None else 0.0,
                       stage_overhead=table.stage_overhead if table is not None else None,
                       source=source,

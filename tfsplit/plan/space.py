@@ -468,11 +468,6 @@ class Costing(object):
     upd_work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
     per_step = float((upd_work + self.upd_fixed).sum()) + profile.other_update
     work = groups * (m * per_micro + per_step)
-    # The per-op gaps inside that work, where they overlap apart.
-    ops = (m * float((self.fwd_ops + self.bwd_ops +
-                      np.where(again & self.split, self.fwd_ops, 0.0)).sum()) +
-           float(self.upd_ops.sum()) + profile.other_update_ops)
-    gaps = groups * ops * profile.op_gap
     # Seconds of the collectives' fixed costs: each over its group's size.
     launches = 0.0
     # The dp replicas' tensor-parallel groups all-reduce at the same
@@ -499,7 +494,12 @@ class Costing(object):
     transfers = 2 * crossing * groups * m
     split_concurrency = profile.kernel_and_gap_concurrency(c.devices)
     if split_concurrency is not None:
+      # The per-op gaps inside that work overlap apart from the rest.
       kernels, gap = split_concurrency
+      ops = (m * float((self.fwd_ops + self.bwd_ops +
+                        np.where(again & self.split, self.fwd_ops, 0.0)).sum()) +
+             float(self.upd_ops.sum()) + profile.other_update_ops)
+      gaps = groups * ops * profile.op_gap
       compute = max(0.0, work - gaps) / kernels + gaps / gap
     else:
       compute = work / profile.concurrency_for(c.devices)
