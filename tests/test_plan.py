@@ -628,6 +628,37 @@ def test_logical_cpus_overlap_ops_work_and_their_gaps_apart():
                                   gap_concurrency={2: 2.0}).kernel_and_gap_concurrency(2) is None
 
 
+def test_pipeline_stages_on_shared_cores_update_and_overlap_at_the_concurrency():
+  # On logical CPUs a pipeline's stages share the cores: all stages update
+  # their weights at the same moment (the update is at least every
+  # device's update over the concurrency of that many devices, not the
+  # largest stage's), and the stages of the steady state slow each other
+  # ((m - 1) max c at min(S, m) devices' concurrency); fill and drain run
+  # one stage at a time, and the schedule's bubble does not change.
+  rows = [profile_lib.LayerRow(f"l{i}", 1e-3, 2e-3, 4e-3, 64, 128, 64, 0, False)
+          for i in range(4)]
+  cluster = cluster_lib.from_preset("cpu-host", 4, devices_per_host=4)
+  cut = [(i, i + 1) for i in range(4)]
+
+  def priced(candidate, **extra):
+    profile = profile_lib.ModelProfile(rows, [0] * 3, batch=8, **extra)
+    return space.Costing(profile, cluster).evaluate(candidate, cut)
+
+  pp4 = space.Candidate(1, 1, 4, 1)
+  apart, shared = priced(pp4), priced(pp4, concurrency=1.6, concurrency_at={4: 2.0})
+  assert apart.update_time == pytest.approx(4e-3)              # devices of their own
+  assert shared.update_time == pytest.approx(4 * 4e-3 / 2.0)   # 4 devices at 2.0
+  assert shared.pipeline_time == pytest.approx(apart.pipeline_time)   # m = 1: no overlap
+  pp2 = space.Candidate(1, 1, 2, 4)
+  cut2 = [(0, 2), (2, 4)]
+  profile = profile_lib.ModelProfile(rows, [0] * 3, batch=8, concurrency=1.6)
+  est = space.Costing(profile, cluster).evaluate(pp2, cut2)
+  stage = 2 * (1e-3 + 2e-3) / 4
+  assert est.pipeline_time == pytest.approx(3 * stage * 2 / 1.6 + 2 * stage)
+  plain = space.Costing(profile_lib.ModelProfile(rows, [0] * 3, batch=8), cluster)
+  assert est.bubble == pytest.approx(plain.evaluate(pp2, cut2).bubble)
+
+
 def test_cluster_spec_with_too_few_devices_is_one_line(tmp_path, capsys):
   spec = tmp_path / "two.json"
   cluster_lib.from_preset("a100-40gb", 2).save(str(spec))

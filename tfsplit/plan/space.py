@@ -44,7 +44,11 @@ pairs do, each add part of one: the table's collective_overlap) and of each tens
 micro-batch and device). Every device pays the fixed time of each of its
 ops (a split layer's ops run on every tp device, a replica's on every dp
 device, each micro-batch's again): that, not the FLOPs, is what splitting
-a small model multiplies.
+a small model multiplies. A pipeline's stages share the cores as well:
+every stage updates at the same moment (the update is at least all
+devices' update over their concurrency), and the min(S, m) stages of the
+steady state slow each other as that many devices' work does (the
+(m - 1) max c term), fill and drain only by their own dp x tp group.
 
 Per device of stage s: weights and gradients of its layers (1/tp of a
 split layer's), optimizer state (also 1/dp with ZeRO), and the activations
@@ -427,6 +431,14 @@ class Costing(object):
     else:
       pipe = m * top + (total - top) / v
     bubble = 1.0 - m * total / (S * pipe) if S > 1 and pipe > 0 else 0.0
+    if S > 1 and self.profile.concurrency:
+      # On shared cores the steady state's min(S, m) stages (each its dp x
+      # tp devices) slow each other, and a stage's own group does in the
+      # fill and drain; the schedule's bubble is the same.
+      steady = self.shared_slowdown(min(S, m) * c.dp * c.tp, fb)
+      fill = self.shared_slowdown(c.dp * c.tp, fb)
+      pipe = ((m - 1) * top * steady + total * fill if v == 1 else
+              m * top * steady + (total - top) / v * fill)
     sync = 0.0
     if c.dp > 1:
       link = self._link("dp", c)
@@ -435,6 +447,8 @@ class Costing(object):
         sync = max(sync, collectives.ring_all_reduce(c.dp, g, link) +
                    2 * (c.dp - 1) * link.latency * (buckets - 1))
     update = float(stage_update.max()) / (c.dp if c.zero else 1) + self.profile.other_update
+    if self.profile.concurrency:
+      update = max(update, self.shared_update_time(c))
     counts = np.array(self.in_flight(c))
     memory = (per_stage(static) + counts * per_stage(kept) / v + stage_again +
               self.profile.static_bytes)
@@ -449,6 +463,52 @@ class Costing(object):
                     update_time=update, bubble=bubble,
                     stage_memory=[int(x) for x in memory],
                     stage_time=[float(x) for x in stage_cost], recomputed=recomputed)
+
+  def on_shared_cores(self, work, gaps, devices):
+    """Seconds of `work` seconds of compute, `gaps` of them per-op gaps,
+    spread over `devices` logical devices that run at the same moment on
+    one machine's shared cores: the gaps over the gaps' concurrency and
+    the rest over the kernels' (with a table that measured them apart),
+    else all of it over the devices' concurrency."""
+    split_concurrency = self.profile.kernel_and_gap_concurrency(devices)
+    if split_concurrency is None:
+      return work / self.profile.concurrency_for(devices)
+    kernels, gap = split_concurrency
+    gaps = min(gaps, work)
+    return (work - gaps) / kernels + gaps / gap
+
+  def _update_work(self, c):
+    """(seconds, ops) of the update on one device group of c: every
+    layer's update ops (1/tp of a split layer's work, 1/dp with ZeRO) and
+    the update ops all layers share."""
+    tpdiv = self.tpdiv(c)
+    work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
+    return (float((work + self.upd_fixed).sum()) + self.profile.other_update,
+            float(self.upd_ops.sum()) + self.profile.other_update_ops)
+
+  def shared_update_time(self, c):
+    """Seconds of the update on shared cores: every stage updates its
+    weights at the same moment, after its last backward, so a pipeline's
+    stages do not update side by side at full speed (the max over stages
+    priced the example MLPs' pp=4 steps, whose update is most of their
+    time, at 0.73-0.94 of their measured step)."""
+    groups = c.dp * c.tp
+    seconds, ops = self._update_work(c)
+    return self.on_shared_cores(groups * seconds, groups * ops * self.profile.op_gap,
+                                c.devices)
+
+  def shared_slowdown(self, devices, fb):
+    """How many times longer the stages' forward and backward take when
+    `devices` logical devices run them at the same moment on shared cores
+    (1 for one device): a pipeline's stages overlap in its steady state
+    (the gpipe / 1f1b formula's (m - 1) max c), each on the cores the
+    others use too. fb: the chunks' seconds per micro-batch, their per-op
+    gaps apart."""
+    total = float(np.sum(fb))
+    if devices <= 1 or total <= 0:
+      return 1.0
+    gaps = float((self.fwd_ops + self.bwd_ops).sum()) * self.profile.op_gap
+    return max(1.0, self.on_shared_cores(devices * total, devices * gaps, devices) / total)
 
   def shared_host_time(self, c, ranges, recompute):
     """Seconds of a step on logical devices sharing one machine's cores (see
@@ -465,8 +525,7 @@ class Costing(object):
     for (j, i), rc in zip(ranges, recompute):
       again[j:i] = rc
     per_micro = float((f + b + np.where(again & self.split, f, 0.0)).sum())
-    upd_work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
-    per_step = float((upd_work + self.upd_fixed).sum()) + profile.other_update
+    per_step, update_ops = self._update_work(c)
     work = groups * (m * per_micro + per_step)
     # Seconds of the collectives' fixed costs: each over its group's size.
     launches = 0.0
@@ -492,17 +551,9 @@ class Costing(object):
       launches += dp_launches * profile.collective_for(c.dp, groups=c.tp)
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
     transfers = 2 * crossing * groups * m
-    split_concurrency = profile.kernel_and_gap_concurrency(c.devices)
-    if split_concurrency is not None:
-      # The per-op gaps inside that work overlap apart from the rest.
-      kernels, gap = split_concurrency
-      ops = (m * float((self.fwd_ops + self.bwd_ops +
-                        np.where(again & self.split, self.fwd_ops, 0.0)).sum()) +
-             float(self.upd_ops.sum()) + profile.other_update_ops)
-      gaps = groups * ops * profile.op_gap
-      compute = max(0.0, work - gaps) / kernels + gaps / gap
-    else:
-      compute = work / profile.concurrency_for(c.devices)
+    ops = (m * float((self.fwd_ops + self.bwd_ops +
+                      np.where(again & self.split, self.fwd_ops, 0.0)).sum()) + update_ops)
+    compute = self.on_shared_cores(work, groups * ops * profile.op_gap, c.devices)
     return compute + launches + transfers * profile.transfer_overhead
 
 
