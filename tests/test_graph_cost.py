@@ -789,7 +789,7 @@ def test_a_calls_arguments_and_outputs_cost_what_its_calls_beside_the_launch_add
   assert table.call_overhead(1, 1) == 0.0   # the launch's call
   assert table.call_overhead(11, 3) == pytest.approx(10 * 3e-6 + 2 * 1e-6)
   step = Graph(calibrate._training_graph(1, 2, 4, 8))  # pylint: disable=protected-access
-  assert calibrate.call_cost(table, step) == pytest.approx(
+  assert table.graph_call_overhead(step) == pytest.approx(
       table.call_overhead(len(graph_inputs(step)), len(graph_outputs(step))))
   assert len(graph_inputs(step)) > 10   # its weights and moments are fed
 
@@ -811,14 +811,14 @@ def test_step_scale_fits_the_lines_scale_and_each_ops_gap_over_the_steps():
     costs = [op_cost.node_cost(n, shapes, graph) for n in graph.nodes]
     lines = sum(model.compute_time(c) for c in costs if not c.comm)
     ops = sum(1 for c in costs if not c.comm)
-    seconds = 1.1 * lines + 0.8e-6 * ops + 1e-4 + calibrate.call_cost(table, graph)
+    seconds = 1.1 * lines + 0.8e-6 * ops + 1e-4 + table.graph_call_overhead(graph)
     steps.append((graph, shapes, calibrate.Profile({}, seconds, seconds), lines, ops))
   scale, gap = calibrate.step_scale(table, [s[:3] for s in steps], cluster)
   assert (scale, gap) == pytest.approx((1.1, 0.8e-6), rel=1e-6)
   graph, shapes, profile, lines, ops = steps[0]
-  ratio_of_sums = (sum(s[2].step_time - 1e-4 - calibrate.call_cost(table, s[0]) for s in steps) /
+  ratio_of_sums = (sum(s[2].step_time - 1e-4 - table.graph_call_overhead(s[0]) for s in steps) /
                    sum(s[3] for s in steps))
-  assert ratio_of_sums * lines < 0.97 * (profile.step_time - 1e-4 - calibrate.call_cost(table, graph))
+  assert ratio_of_sums * lines < 0.97 * (profile.step_time - 1e-4 - table.graph_call_overhead(graph))
 
 
 def test_kernel_and_gap_concurrency_come_back_from_the_steps_measured_concurrency():

@@ -854,7 +854,7 @@ def step_scale(table, steps, cluster):
   rows, target = [], []
   for graph, shapes, profile in steps:
     seconds, ops = _priced_ops(model, graph, shapes)
-    outside = table.step_overhead + call_cost(table, graph)
+    outside = table.step_overhead + table.graph_call_overhead(graph)
     logging.info("training step: %.3f ms, %d ops, %.3f ms by the lines",
                  profile.step_time * 1e3, ops, seconds * 1e3)
     if profile.step_time > outside and seconds > 0:
@@ -898,12 +898,6 @@ def kernel_and_gap_concurrency(table, steps, per_step, cluster):
     inverse = np.clip(_relative_least_squares(x, y), 1.0 / n, 1.0)
     kernels[int(n)], gaps[int(n)] = float(1.0 / inverse[0]), float(1.0 / inverse[1])
   return kernels, gaps
-
-
-def call_cost(table, graph):
-  """Seconds a call of `graph` as a function pays for its arguments and
-  outputs beyond the launch's (CostTable.graph_call_overhead)."""
-  return table.graph_call_overhead(graph)
 
 
 def _devices_graph(kind, length, devices=2):
@@ -1263,7 +1257,7 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.argument_overhead, table.output_overhead = call_costs(beside, beside["launch"])
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
   points = in_step_points(steps + microbatched, table.step_overhead,
-                          lambda graph: call_cost(table, graph))
+                          table.graph_call_overhead)
   in_step = {op for op, _, _ in points.values()}
   fit = {sig: (op, model.roofline(cost), measured[sig])
          for sig, (op, cost) in costs.items()

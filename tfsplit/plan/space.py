@@ -243,6 +243,8 @@ class Costing(object):
     self.upd_fixed, self.variables = col("update_fixed"), col("variables")
     self.fwd_ops, self.bwd_ops, self.upd_ops = (col("forward_ops"), col("backward_ops"),
                                                 col("update_ops"))
+    # Seconds of per-op gaps in one pass of every layer's forward and backward.
+    self.fb_gaps = float((self.fwd_ops + self.bwd_ops).sum()) * profile.op_gap
     self.tp_collectives = col("tp_collectives")
     self.params, self.slots = col("params"), col("slots")
     self.acts, self.inp = col("activations"), col("input_bytes")
@@ -481,6 +483,9 @@ class Costing(object):
     """(seconds, ops) of the update on one device group of c: every
     layer's update ops (1/tp of a split layer's work, 1/dp with ZeRO) and
     the update ops all layers share."""
+    return self._remember(("update", c), lambda: self._priced_update(c))
+
+  def _priced_update(self, c):
     tpdiv = self.tpdiv(c)
     work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
     return (float((work + self.upd_fixed).sum()) + self.profile.other_update,
@@ -507,8 +512,8 @@ class Costing(object):
     total = float(np.sum(fb))
     if devices <= 1 or total <= 0:
       return 1.0
-    gaps = float((self.fwd_ops + self.bwd_ops).sum()) * self.profile.op_gap
-    return max(1.0, self.on_shared_cores(devices * total, devices * gaps, devices) / total)
+    return max(1.0, self.on_shared_cores(devices * total, devices * self.fb_gaps,
+                                         devices) / total)
 
   def shared_host_time(self, c, ranges, recompute):
     """Seconds of a step on logical devices sharing one machine's cores (see
