@@ -27,6 +27,27 @@ against the Keras layer API, `K` is `keras` or `tf_keras`):
             position embedding, pre-LayerNorm blocks (Keras
             MultiHeadAttention), final LayerNorm, head on the class token.
             Inputs: images [B, H, W, C] float32; labels [B].
+  moe       a Mixtral-style mixture-of-experts decoder: token embedding,
+            pre-RMSNorm blocks with the llama attention (RoPE, grouped-query)
+            and a sparse MoE block instead of the MLP: a router (Dense, no
+            bias) gives each token softmax probabilities over `experts`
+            experts; the top `top_k` are kept and renormalised as one-hot
+            routing weights [B, T, E]; every expert (SwiGLU, weights stacked
+            [E, ...] per matrix) computes every token densely and the routing
+            weights select. The loss adds `aux_coef` x a router
+            load-balancing loss per sequence (DeepSeek-V3's sequence-wise
+            balance: E * sum_e f_e * P_e over the tokens of each sequence,
+            f_e the share of the sequence's top-k choices that went to e,
+            P_e its mean probability; the mean over sequences), which
+            micro-batches and replicas compute exactly. Inputs: tokens
+            [B, T]; labels [B, T].
+  switch    the same decoder with capacity routing (GShard / Switch): each
+            sequence is a group, each expert takes at most `capacity` tokens
+            of it (first choices before second choices, in token order; the
+            rest are dropped, their residual passing through), tokens reach
+            experts through a dispatch tensor [B, T, E, C] (einsum
+            `btec,btd->becd`) and come back through the combine tensor
+            (`btec,becd->btd`), so each expert computes only its C slots.
 
 Every layer is named, so graph scopes are stable: `<family>/block_{i}/...`
 (causallm: `causallm/backbone/block_{i}/...`). Weights come from `seed` only
@@ -64,7 +85,11 @@ class CorpusConfig:
   seq: int = 0          # tokens per example (text families)
   vocab: int = 0        # text families
   classes: int = 0      # bert, vit
-  kv_heads: int = 0     # llama (grouped-query attention)
+  kv_heads: int = 0     # llama, moe, switch (grouped-query attention)
+  experts: int = 0      # moe, switch
+  top_k: int = 0        # moe, switch: experts per token
+  capacity: int = 0     # switch: tokens per expert per sequence
+  aux_coef: float = 0.0  # moe, switch: weight of the load-balancing loss
   type_vocab: int = 0   # bert
   image: int = 0        # vit: images are image x image x channels
   patch: int = 0
@@ -102,6 +127,25 @@ CONFIGS = {
         "small": CorpusConfig("llama", hidden=128, heads=8, kv_heads=4,
                               blocks=8, batch=16, mlp_dim=352, seq=32,
                               vocab=256),
+    },
+    # 4 experts, top-2 (Mixtral's ratio); switch's capacity is 1.25x the
+    # even share (2 * 8 / 4 = 4 tokens -> 5), so some tokens are dropped.
+    "moe": {
+        "tiny": CorpusConfig("moe", hidden=32, heads=4, kv_heads=2, blocks=4,
+                             batch=16, mlp_dim=64, seq=8, vocab=64, experts=4,
+                             top_k=2, aux_coef=0.01),
+        "small": CorpusConfig("moe", hidden=128, heads=8, kv_heads=4,
+                              blocks=8, batch=16, mlp_dim=256, seq=32,
+                              vocab=256, experts=4, top_k=2, aux_coef=0.01),
+    },
+    "switch": {
+        "tiny": CorpusConfig("switch", hidden=32, heads=4, kv_heads=2,
+                             blocks=4, batch=16, mlp_dim=64, seq=8, vocab=64,
+                             experts=4, top_k=2, capacity=5, aux_coef=0.01),
+        "small": CorpusConfig("switch", hidden=128, heads=8, kv_heads=4,
+                              blocks=8, batch=16, mlp_dim=256, seq=32,
+                              vocab=256, experts=4, top_k=2, capacity=20,
+                              aux_coef=0.01),
     },
     "bert": {
         "tiny": CorpusConfig("bert", hidden=32, heads=4, blocks=4, batch=16,
@@ -371,6 +415,152 @@ def _define(K):
   def llama(cfg):
     return Llama(cfg, name="llama")
 
+  # --- moe, switch: mixture-of-experts decoders -----------------------------
+
+  class Router(layers.Layer):
+    """Softmax router: (probs [b, t, E], top-k indices [b, t, k], their
+    renormalised weights [b, t, k]) and the sequence-wise balance loss."""
+
+    def __init__(self, cfg, **kwargs):
+      super().__init__(**kwargs)
+      self.cfg = cfg
+      self.proj = layers.Dense(cfg.experts, use_bias=False, name="proj")
+
+    def call(self, x):
+      cfg = self.cfg
+      probs = tf.nn.softmax(self.proj(x), axis=-1)
+      top, index = tf.math.top_k(probs, k=cfg.top_k)
+      weights = top / tf.reduce_sum(top, axis=-1, keepdims=True)
+      with tf.name_scope("balance"):
+        # f_e: share of the sequence's top-k choices that went to expert e
+        # (no gradient flows through a choice); P_e: its mean probability.
+        chosen = tf.reduce_sum(tf.one_hot(index, cfg.experts), axis=2)
+        share = tf.reduce_mean(chosen, axis=1) / cfg.top_k       # [b, E]
+        mean_prob = tf.reduce_mean(probs, axis=1)                 # [b, E]
+        aux = cfg.experts * tf.reduce_mean(
+            tf.reduce_sum(share * mean_prob, axis=-1))
+      return index, weights, aux
+
+  class Experts(layers.Layer):
+    """E SwiGLU experts, each matrix stacked over the expert dimension: the
+    tokens meet the [E, d, f] matrices by einsum `equation_in`, the [E, f, d]
+    one by `equation_out`."""
+
+    def __init__(self, cfg, equation_in, equation_out, **kwargs):
+      super().__init__(**kwargs)
+      self.cfg = cfg
+      self.equation_in = equation_in
+      self.equation_out = equation_out
+
+    def build(self, input_shape):
+      cfg = self.cfg
+      e, d, f = cfg.experts, cfg.hidden, cfg.mlp_dim
+      self.gate = self.add_weight(name="gate", shape=[e, d, f])
+      self.up = self.add_weight(name="up", shape=[e, d, f])
+      self.down = self.add_weight(name="down", shape=[e, f, d])
+      super().build(input_shape)
+
+    def call(self, x):
+      equation_in, equation_out = self.equation_in, self.equation_out
+      gate = tf.convert_to_tensor(self.gate)
+      up = tf.convert_to_tensor(self.up)
+      down = tf.convert_to_tensor(self.down)
+      h = tf.nn.silu(tf.einsum(equation_in, x, gate)) * tf.einsum(
+          equation_in, x, up)
+      return tf.einsum(equation_out, h, down)
+
+  class DenseMoE(layers.Layer):
+    """Every expert computes every token; one-hot routing weights select."""
+
+    def __init__(self, cfg, **kwargs):
+      super().__init__(**kwargs)
+      self.cfg = cfg
+      self.router = Router(cfg, name="router")
+      self.experts = Experts(cfg, "btd,edf->btef", "btef,efd->bted",
+                             name="experts")
+
+    def call(self, x):
+      index, weights, aux = self.router(x)
+      with tf.name_scope("routing"):
+        routing = tf.reduce_sum(
+            tf.one_hot(index, self.cfg.experts) * weights[..., tf.newaxis],
+            axis=2)                                              # [b, t, E]
+      out = self.experts(x)
+      return tf.einsum("bted,bte->btd", out, routing), aux
+
+  class CapacityMoE(layers.Layer):
+    """GShard / Switch dispatch: each sequence a group, `capacity` slots per
+    expert, first choices placed before second choices in token order."""
+
+    def __init__(self, cfg, **kwargs):
+      super().__init__(**kwargs)
+      self.cfg = cfg
+      self.router = Router(cfg, name="router")
+      self.experts = Experts(cfg, "becd,edf->becf", "becf,efd->becd",
+                             name="experts")
+
+    def call(self, x):
+      cfg = self.cfg
+      index, weights, aux = self.router(x)
+      with tf.name_scope("dispatch"):
+        dispatch, combine = 0.0, 0.0
+        taken = tf.zeros([x.shape[0], 1, cfg.experts])          # [b, 1, E]
+        for k in range(cfg.top_k):
+          mask = tf.one_hot(index[:, :, k], cfg.experts)        # [b, t, E]
+          slot = tf.cumsum(mask, axis=1, exclusive=True) + taken
+          taken = taken + tf.reduce_sum(mask, axis=1, keepdims=True)
+          keep = mask * tf.cast(slot < cfg.capacity, tf.float32)
+          # [b, t, E, C]: 1 where the token takes slot c of expert e.
+          place = keep[..., tf.newaxis] * tf.one_hot(
+              tf.cast(tf.reduce_sum(slot * mask, axis=-1), tf.int32),
+              cfg.capacity)[:, :, tf.newaxis, :]
+          dispatch = dispatch + place
+          combine = combine + place * weights[:, :, k, tf.newaxis, tf.newaxis]
+      slots = tf.einsum("btec,btd->becd", dispatch, x)
+      out = self.experts(slots)
+      return tf.einsum("btec,becd->btd", combine, out), aux
+
+  class MoEBlock(layers.Layer):
+
+    def __init__(self, cfg, moe_layer, **kwargs):
+      super().__init__(**kwargs)
+      self.attn_norm = RMSNorm(cfg.eps, name="attn_norm")
+      self.attn = GroupedQueryAttention(cfg, name="attn")
+      self.moe_norm = RMSNorm(cfg.eps, name="moe_norm")
+      self.moe = moe_layer(cfg, name="moe")
+
+    def call(self, x):
+      x = x + self.attn(self.attn_norm(x))
+      y, aux = self.moe(self.moe_norm(x))
+      return x + y, aux
+
+  class MoEDecoder(K.Model):
+    """(logits, the blocks' balance losses summed)."""
+
+    def __init__(self, cfg, moe_layer, **kwargs):
+      super().__init__(**kwargs)
+      self.cfg = cfg
+      self.embed = layers.Embedding(cfg.vocab, cfg.hidden,
+                                    name="token_embedding")
+      self.blocks = [MoEBlock(cfg, moe_layer, name=f"block_{i}")
+                     for i in range(cfg.blocks)]
+      self.norm = RMSNorm(cfg.eps, name="norm")
+      self.lm_head = layers.Dense(cfg.vocab, use_bias=False, name="lm_head")
+
+    def call(self, tokens, training=False):
+      x = self.embed(tokens)
+      aux = 0.0
+      for block in self.blocks:
+        x, block_aux = block(x)
+        aux = aux + block_aux
+      return self.lm_head(self.norm(x)), aux
+
+  def moe(cfg):
+    return MoEDecoder(cfg, DenseMoE, name="moe")
+
+  def switch(cfg):
+    return MoEDecoder(cfg, CapacityMoE, name="switch")
+
   # --- bert ---------------------------------------------------------------
 
   class BertEmbed(layers.Layer):
@@ -496,16 +686,19 @@ def _define(K):
   def vit(cfg):
     return Vit(cfg, name="vit")
 
-  return {"causallm": causallm, "llama": llama, "bert": bert, "vit": vit}
+  return {"causallm": causallm, "llama": llama, "moe": moe, "switch": switch,
+          "bert": bert, "vit": vit}
 
 
 def _call(model, cfg, inputs, training):
+  """(logits, auxiliary loss or None)."""
   if cfg.family == "bert":
     tokens, types, mask = inputs
     return model(tokens, token_type_ids=types, attention_mask=mask,
-                 training=training)
+                 training=training), None
   (x,) = inputs
-  return model(x, training=training)
+  out = model(x, training=training)
+  return out if cfg.experts else (out, None)
 
 
 def build(name, size="tiny", seed=0, batch_size=None):
@@ -551,14 +744,16 @@ def build(name, size="tiny", seed=0, batch_size=None):
 
   @tf.function(input_signature=fwd_sig, autograph=False)
   def forward(*inputs):
-    return _call(model, cfg, inputs, training=False)
+    return _call(model, cfg, inputs, training=False)[0]
 
   @tf.function(input_signature=train_sig, autograph=False)
   def train_step(*args):
     inputs, labels = args[:-1], args[-1]
     with tf.GradientTape() as tape:
-      logits = _call(model, cfg, inputs, training=True)
+      logits, aux = _call(model, cfg, inputs, training=True)
       loss = common.sparse_xent(labels, logits)
+      if aux is not None:
+        loss = loss + cfg.aux_coef * aux
     grads = tape.gradient(loss, tape_vars)
     optimizer.apply_gradients(zip(grads, tape_vars))
     return loss

@@ -65,7 +65,7 @@ FLAVORS = ("raw", "keras3", "tfkeras")
 NAMES = tuple(f"{family}_{flavor}" for flavor in FLAVORS
               for family in ("mlp", "gpt"))
 # The model corpus (corpus.py): Keras-only families, not in NAMES.
-CORPUS_FAMILIES = ("causallm", "llama", "bert", "vit")
+CORPUS_FAMILIES = ("causallm", "llama", "moe", "switch", "bert", "vit")
 CORPUS_NAMES = tuple(f"{family}_{flavor}" for flavor in ("keras3", "tfkeras")
                      for family in CORPUS_FAMILIES)
 

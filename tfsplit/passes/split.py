@@ -48,6 +48,7 @@ from tfsplit.cost import op_cost
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
+from tfsplit.graph.gradients import rowwise_gradients
 from tfsplit.graph.ir import delete_positions, inputs_come_first, without_gc
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
@@ -95,8 +96,15 @@ class SplitState:
 
 # --- passes ----------------------------------------------------------------------
 def fold_shapes(state):
+  """Static shape arithmetic folded; gradients TF flattens over the whole
+  batch (TopKV2's) written row by row (graph/gradients.py)."""
   analysis = state.analysis
   analysis.replace(*fold_and_expand(analysis.graph, analysis.shapes))
+  graph_def, rewritten = rowwise_gradients(analysis.graph, analysis.shapes)
+  if rewritten:
+    shapes = analysis.shapes
+    analysis.replace(graph_def, known_shapes={n.name: shapes[n.name] for n in graph_def.node
+                                              if n.name in shapes})
   for var in analysis.variables:
     if var.shape is None:
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "

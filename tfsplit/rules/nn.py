@@ -1,4 +1,4 @@
-"""Neural-net ops: Softmax, LogSoftmax, BiasAdd, BiasAddGrad, the softmax
+"""Neural-net ops: Softmax, LogSoftmax, TopKV2, BiasAdd, BiasAddGrad, the softmax
 cross-entropy ops, Conv2D and its gradients, and the label and mask ops
 OneHot and MatrixBandPart.
 
@@ -21,6 +21,15 @@ def _last_dim_whole(spec):
 def softmax(ctx):
   req = _last_dim_whole(ctx.in_specs[0])
   return Decision([req], [req])
+
+
+@register("TopKV2")
+def top_k(ctx):
+  """The k largest of the last dimension (whole on each device), with their
+  indices; every leading dimension stays split. Not linear: a partial sum is
+  reduced first."""
+  req = _last_dim_whole(ctx.in_specs[0].without_partial())
+  return Decision([req, ctx.in_specs[1].without_partial()], [req, req])
 
 
 @register("BiasAdd")
