@@ -49,7 +49,7 @@ from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.gradients import rowwise_gradients
-from tfsplit.graph.ir import delete_positions, inputs_come_first, without_gc
+from tfsplit.graph.ir import delete_positions, inputs_come_first, parse_input, without_gc
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
@@ -198,34 +198,100 @@ def materialize_devices(state):
 def check_microbatch_independence(state):
   """Refuses a micro-batch whose work needs another micro-batch's activations
   (a batch statistic in training, a loss normalised by a sum over computed
-  values): micro-batching would then save no memory, or could not be ordered.
-  What depends on no variable (masks, position ids, token counts) may be
-  gathered over micro-batches: it is built from the inputs alone."""
+  values, an op with no rule that keeps the batch split): micro-batching
+  would then save no memory, or could not be ordered. What depends on no
+  variable (masks, position ids, token counts) may be gathered over
+  micro-batches: it is built from the inputs alone.
+
+  The coupling is either direct (a micro-batch's op reads the whole or the
+  sum over micro-batches of a computed tensor) or through ops that run once
+  on the whole batch: the gathered tensor feeds a replicated op whose result
+  flows back into every micro-batch's work. The message names the tensor,
+  the micro-batch op that needs it, the whole-batch op between them and why
+  it runs on the whole batch."""
   mb = constants.MICROBATCH_AXIS
   if state.mesh.axes.get(mb, 1) <= 1:
     return
   analysis, out = state.analysis, state.materialized
   per_microbatch = {r.source for r in out.records.values()
                     if not r.shared and r.device_id is not None}
+  work = (constants.FORWARD, constants.BACKWARD)
+  fallbacks = {f.node: f for f in state.propagation.fallbacks}
+  checked = set()
   for record in out.collectives:
     if record.kind not in ("local_concat", "local_sum") or record.axis != mb:
       continue
     source = record.tensor.split(":")[0]
-    consumer = record.consumer
-    if consumer == source:
+    if record.consumer == source or source in analysis.variable_free or \
+        record.tensor in checked:
       continue  # the step's output, made whole after every micro-batch
-    if source in analysis.variable_free or consumer not in per_microbatch or \
-        analysis.roles.get(consumer) not in (constants.FORWARD, constants.BACKWARD):
-      continue
-    op = analysis.graph.node(consumer).op
+    checked.add(record.tensor)
     whole = "sum" if record.kind == "local_sum" else "whole batch"
+    coupled = _microbatch_work_after(analysis, record.tensor, per_microbatch, work)
+    if coupled is None:
+      continue
+    reader, first, last = coupled
+    op = analysis.graph.node(reader).op
+    first = first or reader
+    first_op = analysis.graph.node(first).op
+    if first in fallbacks:
+      why = (f"{fallbacks[first].reason}: tfsplit cannot keep op {first_op} split "
+             "along the batch")
+      fix = (f"use microbatches=1 (data parallelism alone stays exact) until op "
+             f"{first_op} has a batch rule")
+    elif first == reader:
+      raise PlanError(
+          f"node '{reader}' (op {op}) needs the {whole} of '{record.tensor}' over all "
+          f"{state.mesh.axes[mb]} micro-batches, which depends on the model's weights: "
+          "each micro-batch would wait for every other one's activations (a batch "
+          "statistic such as BatchNormalization in training, or a loss normalised by a "
+          "sum of computed values); use microbatches=1 for this model, or make the "
+          "statistic per micro-batch")
+    else:
+      why = "a statistic of the whole batch"
+      fix = ("make the statistic per micro-batch (per example or per sequence, as a "
+             "sequence-wise auxiliary loss is), or use microbatches=1")
+    if first == reader:
+      needs = f"each micro-batch's copy of it needs every micro-batch's activations"
+    else:
+      through = "" if last == first else f" through '{last}' (op {analysis.graph.node(last).op})"
+      needs = (f"each micro-batch's node '{reader}' (op {op}) needs its result{through}, "
+               "so every micro-batch would wait for all the others' activations")
     raise PlanError(
-        f"node '{consumer}' (op {op}) needs the {whole} of '{record.tensor}' over all "
-        f"{state.mesh.axes[mb]} micro-batches, which depends on the model's weights: "
-        "each micro-batch would wait for every other one's activations (a batch "
-        "statistic such as BatchNormalization in training, or a loss normalised by a "
-        "sum of computed values); use microbatches=1 for this model, or make the "
-        "statistic per micro-batch")
+        f"micro-batches are not independent: node '{first}' (op {first_op}) runs on "
+        f"the whole batch ({why}) and reads the {whole} of '{record.tensor}' over all "
+        f"{state.mesh.axes[mb]} micro-batches, which depends on the model's weights; "
+        f"{needs}; {fix}")
+
+
+def _microbatch_work_after(analysis, tensor, per_microbatch, work):
+  """(micro-batch op, first whole-batch op, last whole-batch op) of the
+  first forward or backward op of a micro-batch that `tensor`'s gathered
+  value reaches through ops that run once on the whole batch (the first
+  reads the gathered value, the micro-batch op reads the last); the
+  whole-batch ops are None where a micro-batch op reads the value itself.
+  None if it reaches no micro-batch's work (only outputs and updates)."""
+  graph, roles = analysis.graph, analysis.roles
+  # The step's outputs are made whole after every micro-batch.
+  work_nodes = {n for n in per_microbatch if roles.get(n) in work} - set(graph_outputs(graph))
+  name, port = parse_input(tensor)
+  start = [c for c, _ in graph.consumers(name, port)]
+  for consumer in start:
+    if consumer in work_nodes:
+      return consumer, None, None
+  seen, stack = set(), [(c, c) for c in start if c not in per_microbatch]
+  while stack:
+    node, first = stack.pop()
+    if node in seen:
+      continue
+    seen.add(node)
+    for consumer, _ in graph.consumers(node):
+      if consumer in per_microbatch:
+        if consumer in work_nodes:
+          return consumer, first, node
+      elif consumer not in seen:
+        stack.append((consumer, first))
+  return None
 
 
 def order_work(state):

@@ -38,9 +38,12 @@ def order_microbatches(graph_def, sets, local_sums, mesh):
   try:
     Graph(graph_def).topological_order()
   except GraphValidationError as e:
-    raise PlanError(f"ordering the micro-batches would make a cycle ({str(e)[:200]}); "
-                    "a micro-batch's work needs another micro-batch's activations: "
-                    "use microbatches=1 for this graph") from None
+    # check_microbatch_independence refuses every coupling it can name
+    # before this; a cycle left is tfsplit's own defect.
+    raise PlanError(f"ordering the micro-batches would make a cycle ({str(e)[:200]}), "
+                    "though no micro-batch was found to need another's activations: "
+                    "a defect of tfsplit, please report it with the graph; "
+                    "microbatches=1 runs this graph meanwhile") from None
   return added
 
 
