@@ -49,7 +49,7 @@ def main(argv):
   import numpy as np  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import devices  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
   try:
     on_cluster = cluster_lib.resolve() is not None

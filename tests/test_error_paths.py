@@ -16,7 +16,7 @@ from tfsplit.errors import PlanError, TfsplitError
 from tfsplit.graph import load_graph, save_graph
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.sharding import propagate as propagate_lib
-from tfsplit.sharding.mesh import Mesh
+from tfsplit.layout.mesh import Mesh
 from tfsplit.passes import split_graph
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
@@ -200,7 +200,7 @@ _TIMEOUT_SCRIPT = textwrap.dedent("""
     from tfsplit.graph import load_graph
     from tfsplit.runtime import shards
     from tfsplit.runtime.graph_function import import_graph
-    from tfsplit.sharding.mesh import Mesh
+    from tfsplit.layout.mesh import Mesh
     from tfsplit.passes import split_graph
 
     w = tf.Variable(np.arange(32, dtype=np.float32).reshape(8, 4), name="w")

@@ -18,7 +18,7 @@ from tfsplit.graph.layers import detect_layers
 from tfsplit.passes import split_graph
 from tfsplit.pipeline import schedules
 from tfsplit.pipeline.schedules import Interleaved
-from tfsplit.runtime import session as session_lib
+from tfsplit.runtime import trace as trace_lib
 from tfsplit.runtime.split_function import make_mesh
 
 from _util import TIMEOUT, check_training, example, names
@@ -212,7 +212,7 @@ def _block_orders(ex, step, m):
   step(*inputs)  # instantiation and Grappler stay out of the trace
   _, events = step.trace(*inputs)
   roles = detect_layers(Graph(step.original_graph_def)).block_roles()
-  blocks = session_lib.microbatch_blocks(events, roles, step.mesh.with_microbatches(m),
+  blocks = trace_lib.microbatch_blocks(events, roles, step.mesh.with_microbatches(m),
                                          step.graph_def, chunk_of=step.result.stage_of)
   return {stage: [b[0] for b in seq] for stage, seq in blocks.items()}
 
@@ -274,11 +274,11 @@ def test_measured_bubble_counts_waits_not_per_op_gaps():
   """The measured bubble (bench_pipeline_memory): a stage waits when none of its ops runs
   for at least min_gap_us (leading and trailing waits included); the short
   gaps between its ops (executor overhead) count only as idle."""
-  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import trace as trace_lib  # pylint: disable=import-outside-toplevel
   a, b = "/job:worker/task:0/device:CPU:0", "/job:worker/task:1/device:CPU:0"
   events = [(a, "x", 0, 1000), (a, "y", 1030, 2000), (a, "z", 3000, 4000),
             (b, "u", 0, 500), (b, "v", 3500, 5000)]
-  bubble = session_lib.stage_waits(events, [a, b], min_gap_us=500)
-  idle = session_lib.stage_waits(events, [a, b])
+  bubble = trace_lib.stage_waits(events, [a, b], min_gap_us=500)
+  idle = trace_lib.stage_waits(events, [a, b])
   assert bubble == pytest.approx([2000 / 5000, 3000 / 5000])
   assert idle == pytest.approx([2030 / 5000, 3000 / 5000])

@@ -253,7 +253,7 @@ def test_checkpoint_converts_between_meshes_and_refuses_other_variables(tmp_path
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import seeds, shards  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
   original = load_graph(TINY)
   tp = split_graph(original, Mesh({"tp": 2})).manifest

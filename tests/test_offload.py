@@ -13,7 +13,7 @@ from tfsplit.errors import PlanError
 from tfsplit.memory import offload as offload_lib
 from tfsplit.passes import split_graph
 from tfsplit.sharding import zero as zero_lib
-from tfsplit.sharding.mesh import Mesh, local_cpu_devices
+from tfsplit.layout.mesh import Mesh, local_cpu_devices
 
 from _util import check_training, example, names
 

@@ -6,7 +6,7 @@ from tfsplit.graph import load_graph
 from tfsplit.pipeline.partition import balanced_partition
 from tfsplit.pipeline.schedules import GPipe, OneFOneB
 from tfsplit.runtime.split_function import make_mesh
-from tfsplit.sharding.mesh import Mesh
+from tfsplit.layout.mesh import Mesh
 from tfsplit.passes import split_graph
 
 from _util import TIMEOUT, check_training, example, names
@@ -94,6 +94,7 @@ def test_step_trace_follows_the_schedule(schedule):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import trace as trace_lib  # pylint: disable=import-outside-toplevel
   ex = example("gpt_raw", batch_size=BATCH)
   graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
   stages, m = 2, 4
@@ -104,7 +105,7 @@ def test_step_trace_follows_the_schedule(schedule):
   _, metadata = runner.run(ex.make_inputs("train", seed=1), trace=True)
   roles = detect_layers(Graph(graph_def)).block_roles()
   mesh = Mesh({"pp": stages}).with_microbatches(m)
-  blocks = session_lib.microbatch_blocks(session_lib.op_events(metadata), roles, mesh,
+  blocks = trace_lib.microbatch_blocks(trace_lib.op_events(metadata), roles, mesh,
                                          result.graph_def)
   assert sorted(blocks) == list(range(stages))
   for stage, seq in blocks.items():

@@ -425,7 +425,7 @@ def _offload_plan():
 @pytest.mark.slow
 def test_offload_plan_trains_exactly():
   # The mesh on CPU:1, its host CPU:0 apart from it (as a GPU's host).
-  from tfsplit.sharding import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   plan = _offload_plan()
   assert plan.offload == "optimizer"
   options = plan.split_options()
@@ -719,7 +719,7 @@ def _tp_all_reduces(graph_def):
   planner prices for tp=2 (of the layers it splits), those the tp=2
   rewrite emits on one device)."""
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   profile = plan_lib.profile_graph(graph_def, 2, "h100-80gb")
   costing = search_lib.Planner(profile, cluster_lib.from_preset("h100-80gb", 2), 2).costing
   split_layers = costing.tp_split(space.Candidate(1, 2, 1))

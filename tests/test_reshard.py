@@ -15,9 +15,9 @@ from tensorflow.core.framework import versions_pb2
 from tensorflow.core.framework import function_pb2
 
 from tfsplit.sharding.builder import DeviceGraph, const_node
-from tfsplit.sharding.mesh import Mesh
+from tfsplit.layout.mesh import Mesh
 from tfsplit.sharding.reshard import Resharder
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 SHAPE = (4, 8, 6)
 

@@ -423,6 +423,10 @@ row("NoOp", skip="implicit: no outputs, control edges only (the write rows' "
 
 # Neural-net ops.
 row("Softmax", [V([I(4, 8)]), V([I(2, 4, 8)]), V([I(8)])], raw("Softmax"), multi=True)
+# Values distinct: the top k (and their order) cannot tie.
+row("TopKV2", [V([I(4, 8, kind="distinct")], 3), V([I(2, 4, 8, kind="distinct")], 2),
+               V([I(8, kind="distinct")], 8)],
+    lambda p, x: list(tf.math.top_k(x, k=p)), multi=True)
 row("LogSoftmax", [V([I(4, 8)]), V([I(2, 4, 8)])], raw("LogSoftmax"), multi=True)
 row("BiasAdd", [V([I(4, 8), I(8)], "NHWC"), V([I(2, 4, 8), I(8)], "NHWC"),
                 V([I(2, 4, 2, 2), I(4)], "NCHW")],
@@ -883,7 +887,7 @@ def test_bool_tensors_are_gathered_as_integers():
 def _broken_rules():
   """{op: a wrong rule}: each claims a sharding its op does not produce."""
   from tfsplit.rules.base import Decision  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.spec import Sharding  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.spec import Sharding  # pylint: disable=import-outside-toplevel
   good = dict(RULES)
 
   def softmax_keeps_split(ctx):           # normalises each block on its own

@@ -10,7 +10,7 @@ import tfsplit
 from tfsplit.graph import Graph
 from tfsplit.graph.layers import detect_layers
 from tfsplit.pipeline import schedules
-from tfsplit.runtime import session as session_lib
+from tfsplit.runtime import trace as trace_lib
 
 from _util import TIMEOUT, example, names
 
@@ -30,7 +30,7 @@ def _block_orders(ex, step, m=M):
   step(*inputs)  # instantiation and Grappler stay out of the trace
   _, events = step.trace(*inputs)
   roles = detect_layers(Graph(step.original_graph_def)).block_roles()
-  blocks = session_lib.microbatch_blocks(events, roles, step.mesh.with_microbatches(m),
+  blocks = trace_lib.microbatch_blocks(events, roles, step.mesh.with_microbatches(m),
                                          step.graph_def)
   return {stage: [b[0] for b in seq] for stage, seq in blocks.items()}
 

@@ -99,7 +99,7 @@ def test_split_graph_reads_one_constant_per_value_on_its_own_device():
   """The materialized copies share constants per device, never across them."""
   import os  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   train = os.path.join(os.path.dirname(__file__), "..", "examples", "gpt_raw_train_tiny.pb")
   graph_def = load_graph(train)
   for mesh, microbatches in (("tp=2", 1), ("dp=2", 2)):

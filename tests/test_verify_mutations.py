@@ -19,7 +19,7 @@ from tfsplit import cli
 from tfsplit.graph import load_graph, save_graph
 from tfsplit.graph import variables as variables_lib
 from tfsplit.runtime.verify import verify
-from tfsplit.sharding.mesh import Mesh
+from tfsplit.layout.mesh import Mesh
 from tfsplit.passes import split_graph
 
 from _util import TIMEOUT

@@ -217,7 +217,7 @@ def test_gpu_graph_uses_nccl_reduce_scatter_and_is_deterministic():
   """On GPUs the reduce-scatter is CollectiveReduceScatterV2 (NCCL), one
   bucket of it and one of all-gathers per device; the graph imports into TF,
   and the same split twice is the same bytes."""
-  from tfsplit.passes.rewrite import make_mesh as mesh_on  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.rewrite import make_mesh as mesh_on  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(TRAIN)
   results = [split_graph(graph_def, mesh_on("dp=2", devices="gpu"), zero=1)
              for _ in range(2)]

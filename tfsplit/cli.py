@@ -6,8 +6,10 @@ dispatches and turns TfsplitError into one stderr line with exit code 2 (no
 traceback for user errors).
 """
 import importlib
-import os
 import sys
+
+from tfsplit.commands import common
+from tfsplit.errors import TfsplitError
 
 # command name -> (module, one-line help). Modules are imported lazily so that
 # commands that do not need TensorFlow start fast.
@@ -31,31 +33,6 @@ USAGE = "usage: tfsplit <command> [args] [--flags]\n\ncommands:\n" + "\n".join(
     "\n\nRun 'tfsplit <command> --help' for the flags of one command.\n"
 
 
-def quiet_tensorflow():
-  """Imports TensorFlow with its C++ start-up chatter sent to /dev/null.
-
-  TF prints several lines on stderr when it loads (oneDNN, CUDA stubs), even
-  with TF_CPP_MIN_LOG_LEVEL set; they would bury our one-line messages.
-  """
-  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-  if os.environ.get("TFSPLIT_VERBOSE_TF"):
-    return
-  sys.stderr.flush()
-  saved = os.dup(2)
-  devnull = os.open(os.devnull, os.O_WRONLY)
-  try:
-    os.dup2(devnull, 2)
-    import tensorflow  # pylint: disable=import-outside-toplevel
-    # Listing devices probes CUDA, which logs an error on machines without it.
-    tensorflow.config.list_physical_devices()
-  except ImportError:
-    pass  # reported below, with stderr back, when a command needs it
-  finally:
-    os.dup2(saved, 2)
-    os.close(saved)
-    os.close(devnull)
-
-
 def run(argv=None):
   """Console-script entry point."""
   argv = list(sys.argv if argv is None else argv)
@@ -68,9 +45,7 @@ def run(argv=None):
                      f"{', '.join(COMMANDS)}\n")
     return 2
   if command not in LIGHT_COMMANDS:
-    quiet_tensorflow()
-  from tfsplit.commands import common  # pylint: disable=import-outside-toplevel
-  from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+    common.quiet_tensorflow()
   module = importlib.import_module(COMMANDS[command][0])
   try:
     return common.main(command, module, argv[2:])

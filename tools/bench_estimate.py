@@ -179,7 +179,7 @@ def measure_pass(name, size, pass_name, batch=0):
   import tfsplit  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import graph_sim  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh, local_cpu_devices  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh, local_cpu_devices  # pylint: disable=import-outside-toplevel
 
   kwargs = dict(PASSES[pass_name] or {"mesh": "dp=1"})
   mesh_text = kwargs["mesh"]

@@ -60,7 +60,7 @@ def main(argv):
   from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import seeds, workers  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(FLAGS.graph)
   inputs = seeds.seeded_inputs(Graph(graph_def), 0)
   rows = []

@@ -173,8 +173,9 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
   from tfsplit.graph.layers import detect_layers  # pylint: disable=import-outside-toplevel
   from tfsplit.pipeline.schedules import get_schedule  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import trace as trace_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.sharding.builder import read_records  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   stages = FLAGS.stages
   t0 = time.time()
@@ -217,11 +218,11 @@ def _measure(label, ex, graph_def, schedule, microbatches, logdir):
       bubbles, idles = [], []
       for i in range(FLAGS.trace_steps):
         _, metadata = runner.run(inputs, trace=True)
-        events = session_lib.op_events(metadata)
-        bubbles.append(session_lib.stage_waits(events, devices, FLAGS.min_gap_us))
-        idles.append(session_lib.stage_waits(events, devices))
+        events = trace_lib.op_events(metadata)
+        bubbles.append(trace_lib.stage_waits(events, devices, FLAGS.min_gap_us))
+        idles.append(trace_lib.stage_waits(events, devices))
         if i == 0:
-          blocks = session_lib.microbatch_blocks(
+          blocks = trace_lib.microbatch_blocks(
               events, roles, mesh.with_microbatches(microbatches), result.graph_def,
               chunk_of=result.stage_of if chunks > 1 else None)
           orders = {s: ([b[0] for b in blocks.get(s, [])],

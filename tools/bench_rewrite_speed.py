@@ -129,7 +129,7 @@ def main(argv):
   del argv
   if not FLAGS["verbosity"].present:
     logging.set_verbosity(logging.WARNING)  # the pass logs one line per split op
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   size = 1
   for n in Mesh.parse(FLAGS.mesh).axes.values():
     size *= n

@@ -102,7 +102,7 @@ def main(argv):
     logging.set_verbosity(logging.WARNING)  # the pass logs one line per split op
   import models  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
 
   t0 = time.perf_counter()

@@ -15,6 +15,7 @@ followed by the flags. Flag names are dashed (--collective-timeout); the old
 underscore spellings (--collective_timeout) are accepted as hidden aliases.
 """
 import json
+import os
 import sys
 
 from absl import flags
@@ -22,6 +23,31 @@ from absl import flags
 from tfsplit.errors import TfsplitError, printable
 
 HELP_ARGS = frozenset(["-h", "-help", "--help", "--helpshort", "--helpfull"])
+
+
+def quiet_tensorflow():
+  """Imports TensorFlow with its C++ start-up chatter sent to /dev/null.
+
+  TF prints several lines on stderr when it loads (oneDNN, CUDA stubs), even
+  with TF_CPP_MIN_LOG_LEVEL set; they would bury our one-line messages.
+  """
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+  if os.environ.get("TFSPLIT_VERBOSE_TF"):
+    return
+  sys.stderr.flush()
+  saved = os.dup(2)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, 2)
+    import tensorflow  # pylint: disable=import-outside-toplevel
+    # Listing devices probes CUDA, which logs an error on machines without it.
+    tensorflow.config.list_physical_devices()
+  except ImportError:
+    pass  # reported below, with stderr back, when a command needs it
+  finally:
+    os.dup2(saved, 2)
+    os.close(saved)
+    os.close(devnull)
 
 
 def main(name, module, args):

@@ -124,6 +124,5 @@ def _graph_mode(fv, path):
   if fv["simulate-pipeline"].value:
     raise EstimateError("--simulate-pipeline is for uniform stages; with a graph, place "
                         "it with --place-layers instead")
-  from tfsplit.cli import quiet_tensorflow  # pylint: disable=import-outside-toplevel
-  quiet_tensorflow()  # only graph mode needs TensorFlow
+  common.quiet_tensorflow()  # only graph mode needs TensorFlow
   return estimate.graph_estimate(path, **common.values(fv, *_GRAPH))

@@ -50,7 +50,7 @@ def run(fv, args):
                        "fallbacks to list (e.g. --mesh dp=2)")
   mesh = None
   if fv.mesh:
-    from tfsplit.passes.rewrite import make_mesh  # pylint: disable=import-outside-toplevel
+    from tfsplit.runtime.rewrite import make_mesh  # pylint: disable=import-outside-toplevel
     mesh = make_mesh(fv.mesh, fv.stages)  # a bad mesh fails before any work
   report = report_lib.inspect_graph(args[0], fv.signature, fv["layer-depth"].value,
                                     fv.variables)
@@ -77,7 +77,7 @@ def mesh_fallbacks(source, mesh, fv):
   from tfsplit.passes import split as split_lib
   from tfsplit.passes.analysis import Analysis
   from tfsplit.passes.config import SplitConfig
-  from tfsplit.passes.rewrite import parse_annotation
+  from tfsplit.runtime.rewrite import parse_annotation
   graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
   recover.require_variable_shapes(graph_def, source)
   config = SplitConfig(mesh, strategy=fv.strategy, microbatches=fv.microbatches,

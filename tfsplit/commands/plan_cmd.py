@@ -125,7 +125,7 @@ def simulate_top(graph_def, estimates, spec, profile, calibration=None):
   from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import Plan  # pylint: disable=import-outside-toplevel
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   table = op_cost.CostTable.load(calibration) if calibration else None
   out = []
   for est in estimates:

@@ -82,7 +82,7 @@ def define_flags(fv):
 
 
 def run(fv, args):
-  from tfsplit.passes import rewrite  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import rewrite  # pylint: disable=import-outside-toplevel
   options = common.values(
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",

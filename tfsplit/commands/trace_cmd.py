@@ -33,8 +33,8 @@ def define_flags(fv):
 
 
 def run(fv, args):
-  from tfsplit.runtime import session  # pylint: disable=import-outside-toplevel
-  events, devices = session.trace_file(args[0], fv.output, fv.manifest, fv.original,
+  from tfsplit.runtime import trace  # pylint: disable=import-outside-toplevel
+  events, devices = trace.trace_file(args[0], fv.output, fv.manifest, fv.original,
                                        fv.seed, fv.cluster, fv.timeout)
   sys.stdout.write(f"traced {events} op executions on {devices} devices; "
                    f"wrote {fv.output}\n")

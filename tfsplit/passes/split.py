@@ -63,9 +63,9 @@ from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.materialize import materialize
-from tfsplit.sharding.mesh import is_gpu
+from tfsplit.layout.mesh import is_gpu
 from tfsplit.sharding.propagate import propagate
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 from tfsplit.strategies.megatron import megatron_plan
 
 

@@ -220,7 +220,7 @@ def from_json(obj, source="plan"):
     raise PlanError(f"plan '{source}': field 'layers' must be a non-empty list of layer names")
   text = _field(obj, "mesh", source, str)
   try:
-    from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+    from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
     mesh = Mesh.parse(text)
   except TfsplitError as e:
     raise PlanError(f"plan '{source}': field 'mesh': {e}") from None

@@ -15,7 +15,7 @@ gather, variables) and register themselves with `@register("Op", ...)`.
 import dataclasses
 from typing import Callable, List, Optional
 
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 RULES = {}
 

@@ -8,7 +8,7 @@ one input of a product (Mul, the numerator of RealDiv, the dy of ReluGrad).
 import dataclasses
 
 from tfsplit.rules.base import Decision, divisible, register
-from tfsplit.sharding.spec import Sharding, constraint_of
+from tfsplit.layout.spec import Sharding, constraint_of
 
 UNARY = (
     "Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Exp", "Log",

@@ -6,7 +6,7 @@ the output a partial sum over that axis (Megatron's row-parallel matmul).
 The op is linear in each input separately, so one partial input may pass.
 """
 from tfsplit.rules.base import Decision, divisible, register
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 
 def contraction_decision(ctx, in_letters, out_letters):

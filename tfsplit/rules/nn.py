@@ -10,7 +10,7 @@ import dataclasses
 from tfsplit.rules.base import Decision, register
 from tfsplit.rules.matmul import contraction_decision
 from tfsplit.rules.shape import _replace_shape_input
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 
 def _last_dim_whole(spec):

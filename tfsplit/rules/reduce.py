@@ -10,7 +10,7 @@ A scan needs its scanned dimension whole; the others stay split.
 import numpy as np
 
 from tfsplit.rules.base import Decision, fallback, register
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 LINEAR_REDUCTIONS = ("Sum", "Mean")
 _FLOAT_TYPES = (1, 2, 19, 14, 8, 18)  # float, double, half, bfloat16, complex64/128

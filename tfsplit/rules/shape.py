@@ -9,7 +9,7 @@ All are linear, so partial sums pass through.
 import numpy as np
 
 from tfsplit.rules.base import Decision, divisible, fallback, register
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 
 def _const_int(ctx, i):

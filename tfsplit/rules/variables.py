@@ -7,7 +7,7 @@ ops (ResourceApplyAdam, ...) require every var-shaped input in it.
 """
 from tfsplit.errors import PlanError
 from tfsplit.rules.base import Decision, register
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 
 @register("ReadVariableOp")

@@ -194,7 +194,7 @@ def mesh_on_cluster(axes, cluster, across=DEFAULT_ACROSS):
   (row-major each, in mesh order). If they do not fit that way, the mesh is
   laid over the task-major device list with the `across` axes slowest.
   """
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   axes = dict(axes)
   names = list(axes)
   size = int(np.prod(list(axes.values()))) if axes else 1
@@ -428,7 +428,7 @@ def place(mesh, cluster=None):
   """(Cluster, Mesh on it) for tfsplit.split's `mesh` ('dp=2', a dict) when
   `cluster` (or TF_CONFIG, when cluster is None) names one; (None, None)
   otherwise, and for a Mesh given with its own devices."""
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   if isinstance(mesh, Mesh):
     return None, None
   found = cluster if isinstance(cluster, Cluster) else resolve(cluster)

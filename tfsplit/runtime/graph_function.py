@@ -34,7 +34,7 @@ from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.graph.ir import Graph, parse_input, without_gc
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.sharding import builder as builder_lib
-from tfsplit.sharding.mesh import is_gpu
+from tfsplit.layout.mesh import is_gpu
 
 
 def has_schedule(graph_def):

@@ -22,7 +22,7 @@ from tfsplit.runtime import checkpoint as checkpoint_lib
 from tfsplit.runtime import cluster as cluster_lib
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import import_graph, traced_call
-from tfsplit.sharding.mesh import Mesh
+from tfsplit.layout.mesh import Mesh
 from tfsplit.passes import split_graph
 from tfsplit.passes.config import DEFAULT_BUCKET_BYTES
 

@@ -8,7 +8,7 @@ import functools
 import tensorflow as tf
 from tensorflow.core.framework import node_def_pb2
 
-from tfsplit.sharding.mesh import is_gpu
+from tfsplit.layout.mesh import is_gpu
 
 # Without a timeout: with one, TF starts a watchdog thread per collective and
 # step that lives for the whole timeout (a dp=2 step with a 600 s timeout and

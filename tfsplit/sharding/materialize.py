@@ -29,7 +29,7 @@ from tfsplit.sharding.builder import (DeviceGraph, constant_key, local_name,
 from tfsplit.sharding.localize import LocalizeContext
 from tfsplit.sharding.placement import Placement
 from tfsplit.sharding.reshard import Resharder
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 # Attrs naming global shapes, colocation with (now absent) original nodes, or
 # the original function's signature: wrong on a local copy.

@@ -21,7 +21,7 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.fold import const_value
 from tfsplit.graph.ir import parse_input
 from tfsplit.rules.base import Decision, OpContext, fallback
-from tfsplit.sharding.spec import Sharding, constraint_of
+from tfsplit.layout.spec import Sharding, constraint_of
 
 _MAX_CONST_ELEMENTS = 1024
 # Rounds of two-way propagation before shardings count as unsettled.

@@ -38,7 +38,7 @@ from tensorflow.core.framework import types_pb2
 from tfsplit.errors import PlanError
 from tfsplit.sharding.builder import safe_axis, tensor
 from tfsplit.sharding.collectives import collective_node
-from tfsplit.sharding.spec import Sharding
+from tfsplit.layout.spec import Sharding
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ Expressed as shardings, GSPMD-style, so propagation and reshard do the work:
   axis along one more dimension than the weight (the first one free of
   other splits that divides by the axis size, dimension 0 if it can);
 - the weight's gradient (a partial sum over the data axis, as the first
-  propagation says) gets a sharding constraint (sharding/spec.py) asking
+  propagation says) gets a sharding constraint (layout/spec.py) asking
   for the slot's sharding, so it is reduce-scattered straight into the
   slots' blocks and every update op (m, v, the step) runs on 1/dp of the
   elements;
@@ -38,7 +38,7 @@ import numpy as np
 
 from tfsplit import constants
 from tfsplit.graph.ir import parse_input
-from tfsplit.sharding.spec import constraint_node
+from tfsplit.layout.spec import constraint_node
 
 # Ops a split slot may meet (each has a rule for a split variable).
 _SLOT_OPS = frozenset(["ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",

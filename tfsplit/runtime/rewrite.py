@@ -38,7 +38,7 @@ def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost", cluster=Non
   over devices of type `devices` ('cpu' or 'gpu') of job `job`; with
   `cluster` ('TF_CONFIG', a spec file, a ClusterResolver: runtime/cluster.py)
   over its tasks, the `across` axes (default dp, pp) across tasks."""
-  from tfsplit.sharding.mesh import Mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   axes = Mesh.parse(mesh).axes
   if stages > 1:
     if constants.PIPELINE_AXIS in axes:
