@@ -8,6 +8,25 @@ from tfsplit.errors import (GraphLoadError, GraphValidationError, PlanError,
 
 __version__ = "0.1.0"
 
+# Subpackages reached as attributes (`tfsplit.keras.split(...)` after a plain
+# `import tfsplit`), imported on first use so that importing tfsplit stays
+# free of TensorFlow.
+_SUBPACKAGES = frozenset(["calibration", "cli", "commands", "constants", "cost", "errors",
+                          "fileio", "graph", "keras", "layout", "memory", "passes",
+                          "pipeline", "plan", "report", "rules", "runtime", "sharding",
+                          "strategies", "units"])
+
+
+def __getattr__(name):
+  if name in _SUBPACKAGES:
+    import importlib  # pylint: disable=import-outside-toplevel
+    return importlib.import_module(f"tfsplit.{name}")
+  raise AttributeError(f"module 'tfsplit' has no attribute '{name}'")
+
+
+def __dir__():
+  return sorted(set(globals()) | _SUBPACKAGES)
+
 
 def split(*args, **kwargs):
   """Wraps a tf.function as a split multi-device callable; see
