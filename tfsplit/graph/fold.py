@@ -400,8 +400,8 @@ def _evaluate(graph, targets, foldable, shapes):
   except (tf.errors.OpError, ValueError) as e:
     # Shapes that static inference let through but the shape arithmetic
     # refuses (the graph would fail the same way when run).
-    from tfsplit.graph import validate as validate_lib  # pylint: disable=import-outside-toplevel
-    raise validate_lib.tf_error(e, graph.graph_def, "TensorFlow could not evaluate "
+    from tfsplit.graph import tf_messages  # pylint: disable=import-outside-toplevel
+    raise tf_messages.tf_error(e, graph.graph_def, "TensorFlow could not evaluate "
                                 "its static shape arithmetic") from None
   return {k: [np.asarray(v) for v in vals] for k, vals in result.items()}
 

@@ -27,9 +27,9 @@ def optimize(graph_def, config=None):
   """Grappler's OptimizeGraph (default config unless given) on the whole graph."""
   from tensorflow.python.framework import errors as tf_errors  # pylint: disable=import-outside-toplevel
   from tensorflow.python.grappler import tf_optimizer  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph import validate as validate_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import tf_messages  # pylint: disable=import-outside-toplevel
   try:
     return tf_optimizer.OptimizeGraph(config or config_pb2.ConfigProto(),
                                       metagraph_fetching_sinks(graph_def))
   except (tf_errors.OpError, ValueError, RuntimeError, TypeError) as e:
-    raise validate_lib.tf_error(e, graph_def, "Grappler's optimizer rejected it") from None
+    raise tf_messages.tf_error(e, graph_def, "Grappler's optimizer rejected it") from None

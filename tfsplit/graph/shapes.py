@@ -24,7 +24,7 @@ from tensorflow.python.framework import tensor_shape
 from tensorflow.python.grappler import item as grappler_item
 
 from tfsplit.errors import GraphValidationError
-from tfsplit.graph import validate as validate_lib
+from tfsplit.graph import tf_messages
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph, element_count, parse_input, without_gc
 
@@ -172,7 +172,7 @@ def _run_inference(graph, var_shapes):
     def original(node):  # the user's node for a node of the private copy
       return graph.get(node.name[:-len(_SHAPE_SOURCE)]
                        if node.name.endswith(_SHAPE_SOURCE) else node.name)
-    raise validate_lib.tf_error(e, metagraph.graph_def,
+    raise tf_messages.tf_error(e, metagraph.graph_def,
                                 "TensorFlow's shape inference rejected it",
                                 rename=original) from None
   infos = {}  # serialized TensorProperties -> TensorInfo (immutable, shared)
