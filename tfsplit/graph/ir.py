@@ -53,6 +53,11 @@ def parse_input(text):
   return text, 0
 
 
+def input_node(text):
+  """The node an input string reads: '^name', 'name:3' and 'name' -> 'name'."""
+  return parse_input(text)[0]
+
+
 def _parse_every(inputs):
   """[(name, port)] of input strings `inputs`, control inputs with port -1."""
   out = []

@@ -10,7 +10,7 @@ else: a node that had no consumer before stays.
 """
 from tfsplit.constants import is_write_op
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.ir import Graph
+from tfsplit.graph.ir import Graph, input_node
 
 
 def drop_variable_writes(graph_def, names):
@@ -25,7 +25,7 @@ def drop_variable_writes(graph_def, names):
       if name in names:
         dropped_vars[node.name] = name
   writers = [n.name for n in graph.nodes if is_write_op(n.op) and n.input
-             and n.input[0].split(":")[0] in dropped_vars]
+             and input_node(n.input[0]) in dropped_vars]
   if not writers:
     return graph_def, []
   removed = set()
@@ -37,7 +37,7 @@ def drop_variable_writes(graph_def, names):
     node = graph.node(name)
     removed.add(name)
     for text in node.input:
-      source = text.lstrip("^").split(":")[0]
+      source = input_node(text)
       if source in removed or source not in graph:
         continue
       upstream = graph.node(source)

@@ -16,7 +16,7 @@ from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import tensor_shape
 
-from tfsplit.graph.ir import element_count, without_gc
+from tfsplit.graph.ir import element_count, input_node, without_gc
 
 # Private attrs (leading underscore: TF ignores them when running the graph).
 VAR_NAME_ATTR = "_tfsplit_var_name"
@@ -139,7 +139,7 @@ def find_variables(graph):
 def _dtype_from_users(graph, node):
   for consumer in graph.consumer_nodes(node.name):
     attr = _HANDLE_DTYPE_ATTR.get(consumer.op)
-    if attr and consumer.input and consumer.input[0].split(":")[0] == node.name:
+    if attr and consumer.input and input_node(consumer.input[0]) == node.name:
       return consumer.attr[attr].type
     if consumer.op.startswith("ResourceApply") and "T" in consumer.attr:
       return consumer.attr["T"].type
@@ -149,7 +149,7 @@ def _dtype_from_users(graph, node):
 def shape_from_writers(graph, node_name, shapes):
   """The variable's shape as seen by the ops that assign it a full value."""
   for consumer in graph.consumer_nodes(node_name):
-    if consumer.op in _FULL_VALUE_WRITERS and consumer.input[0].split(":")[0] == node_name:
+    if consumer.op in _FULL_VALUE_WRITERS and input_node(consumer.input[0]) == node_name:
       src = consumer.input[1]
       info = shapes.get(src)
       if info is not None and info.shape is not None:

@@ -26,6 +26,7 @@ import tensorflow as tf
 
 from tfsplit.constants import is_write_op
 from tfsplit.errors import PlanError, TfsplitError, printable
+from tfsplit.graph.ir import input_node
 from tfsplit.graph.prune import drop_variable_writes
 from tfsplit.keras.flavors import wants_predictions
 from tfsplit.runtime.split_function import SplitFunction
@@ -424,7 +425,7 @@ def _written_variables(graph_def):
   for node in graph_def.node:
     if node.input and is_write_op(node.op):
       for text in node.input:
-        source = text.lstrip("^").split(":")[0]
+        source = input_node(text)
         if source in handles:
           written.add(handles[source])
   return written

@@ -49,7 +49,8 @@ from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.gradients import rowwise_gradients
-from tfsplit.graph.ir import delete_positions, inputs_come_first, parse_input, without_gc
+from tfsplit.graph.ir import (delete_positions, input_node, inputs_come_first, parse_input,
+                              without_gc)
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
@@ -221,7 +222,7 @@ def check_microbatch_independence(state):
   for record in out.collectives:
     if record.kind not in ("local_concat", "local_sum") or record.axis != mb:
       continue
-    source = record.tensor.split(":")[0]
+    source = input_node(record.tensor)
     if record.consumer == source or source in analysis.variable_free or \
         record.tensor in checked:
       continue  # the step's output, made whole after every micro-batch
@@ -252,7 +253,7 @@ def check_microbatch_independence(state):
       fix = ("make the statistic per micro-batch (per example or per sequence, as a "
              "sequence-wise auxiliary loss is), or use microbatches=1")
     if first == reader:
-      needs = f"each micro-batch's copy of it needs every micro-batch's activations"
+      needs = "each micro-batch's copy of it needs every micro-batch's activations"
     else:
       through = "" if last == first else f" through '{last}' (op {analysis.graph.node(last).op})"
       needs = (f"each micro-batch's node '{reader}' (op {op}) needs its result{through}, "

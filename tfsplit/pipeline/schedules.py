@@ -30,7 +30,7 @@ import collections
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
-from tfsplit.graph.ir import parse_input
+from tfsplit.graph.ir import input_node, parse_input
 
 
 class Schedule(object):
@@ -214,10 +214,10 @@ def micro_batch_sets(graph_def, records, roles, mesh, after_update=(), chunk_of=
   for name, node in nodes.items():
     for text in node.input:
       if not text.startswith("^"):
-        consumers[text.split(":")[0]].add(name)
+        consumers[input_node(text)].add(name)
   for name, key in key_of.items():
     node = nodes[name]
-    same = [key_of.get(t.split(":")[0]) for t in node.input if not t.startswith("^")]
+    same = [key_of.get(input_node(t)) for t in node.input if not t.startswith("^")]
     has_same_input = any(k == key for k in same)
     has_same_consumer = any(key_of.get(c) == key for c in consumers[name])
     d, j, chunk, role = key

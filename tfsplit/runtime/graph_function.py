@@ -31,7 +31,7 @@ from tensorflow.python.util import compat
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
-from tfsplit.graph.ir import Graph, parse_input, without_gc
+from tfsplit.graph.ir import Graph, input_node, parse_input, without_gc
 from tfsplit.pipeline.schedules import SCHEDULE_BARRIER_ATTR
 from tfsplit.sharding import builder as builder_lib
 from tfsplit.layout.mesh import is_gpu
@@ -355,7 +355,7 @@ def import_graph(graph_def, variables=(), inputs=None, outputs=None):
 
   specs = []
   for name in inputs:
-    node = graph.node(name.split(":")[0])
+    node = graph.node(input_node(name))
     shape = tf.TensorShape(node.attr["shape"].shape) if "shape" in node.attr else None
     specs.append(tf.TensorSpec(shape, tf.as_dtype(node.attr["dtype"].type), name=None))
 

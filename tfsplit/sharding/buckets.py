@@ -47,7 +47,7 @@ from tensorflow.python.framework import tensor_util
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
-from tfsplit.graph.ir import parse_input
+from tfsplit.graph.ir import input_node, parse_input
 from tfsplit.sharding.builder import NodeRecord, safe_axis, stamp_records, unique_name
 from tfsplit.sharding.reshard import CollectiveRecord
 
@@ -112,7 +112,7 @@ def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes):
   consumers = collections.defaultdict(list)   # name -> [(consumer, is data edge)]
   for node in out.graph_def.node:
     for text in node.input:
-      consumers[_node_of(text)].append((node.name, text[0] != "^"))
+      consumers[input_node(text)].append((node.name, text[0] != "^"))
   instances = _gradient_instances(out, nodes, consumers, analysis, propagation, mesh,
                                   data_axes)
   instances += _unit_instances(out, nodes, consumers, analysis, mesh, data_axes)
@@ -214,7 +214,7 @@ def _gradient_instances(out, nodes, consumers, analysis, propagation, mesh, data
   # such an all-reduce is left alone.
   after = _descendants([n for c in candidates for n in c.nodes.values()], consumers)
   return [c for c in candidates
-          if not any(_node_of(t) in after for n in c.nodes.values()
+          if not any(input_node(t) in after for n in c.nodes.values()
                      for t in nodes[n].input)]
 
 
@@ -270,7 +270,7 @@ def _unit_instances(out, nodes, consumers, analysis, mesh, data_axes):
     by_group[(c.kind, c.axis, c.group)].append(c)
   for members in by_group.values():
     after = _descendants([n for c in members for n in c.nodes.values()], consumers)
-    kept += [c for c in members if not any(_node_of(t) in after for n in c.nodes.values()
+    kept += [c for c in members if not any(input_node(t) in after for n in c.nodes.values()
                                            for t in nodes[n].input)]
   return kept
 
@@ -339,14 +339,9 @@ def _descendants(starts, consumers):
   return seen
 
 
-def _node_of(text):
-  """'^a' / 'a:1' / 'a' -> 'a' (node names hold no ':')."""
-  return text.lstrip("^").split(":", 1)[0]
-
-
 def _int_const(nodes, text):
   """The value of a scalar integer Const, or None."""
-  node = nodes.get(_node_of(text))
+  node = nodes.get(input_node(text))
   if node is None or node.op != "Const":
     return None
   proto = node.attr["value"].tensor
@@ -427,13 +422,13 @@ class _Emitter(object):
     node.input.extend(inputs)
     for attr in [a for a in node.attr if a.startswith("_tfsplit")]:
       del node.attr[attr]
-    self.kept.update(_node_of(t) for t in first.input[1:3])
+    self.kept.update(input_node(t) for t in first.input[1:3])
     return node
 
   def _become_piece(self, member, piece, shape, dtype, device, where, k):
     """Member result node `member` becomes the Reshape of its bucket piece,
     under its name and record: consumers and control edges stay valid."""
-    self.dead_inputs.update(_node_of(t) for t in member.input)
+    self.dead_inputs.update(input_node(t) for t in member.input)
     self.rewritten.add(member.name)
     shape_const = self.const(f"{where}/shape_{k}", list(shape), device)
     member.op = "Reshape"
@@ -452,7 +447,7 @@ class _Emitter(object):
     while name != result:
       node = self.nodes[name]
       self.removed.add(name)
-      self.dead_inputs.update(_node_of(t) for t in node.input)
+      self.dead_inputs.update(input_node(t) for t in node.input)
       following = [c for c, data in self.consumers.get(name, ()) if data]
       if len(following) != 1:
         raise AssertionError(f"collective unit of '{name}' is not a chain")
@@ -568,13 +563,13 @@ class _Emitter(object):
     for attr in [a for a in reduce_node.attr if a.startswith("_tfsplit")]:
       del reduce_node.attr[attr]
     self.add(reduce_node, *last)
-    self.kept.update(_node_of(t) for t in first.input[1:3])
+    self.kept.update(input_node(t) for t in first.input[1:3])
     split = self.op(f"{where}/split", "SplitV", device,
                     [reduce_node.name,
                      self.const(f"{where}/split/sizes", _split_sizes(bucket), device), axis],
                     {"T": (dtype,), "Tlen": (int32,), "num_split": len(bucket)}, last)
     for k, (inst, member) in enumerate(zip(bucket, members)):
-      self.dead_inputs.update(_node_of(t) for t in member.input[1:])
+      self.dead_inputs.update(input_node(t) for t in member.input[1:])
       self.rewritten.add(member.name)
       # The collective node becomes its member's Reshape, under its name and
       # record: consumers, control edges and output copies stay valid.
