@@ -2,38 +2,39 @@
 
     result = split_graph(graph_def, Mesh.parse("dp=2,tp=2"), microbatches=4)
 
-Passes, in order, over one Analysis (graph, variables, shapes, layers) and one
-SplitConfig; each reads what earlier passes recorded in the SplitState, never
-another module's private fields:
+Passes, in order (PASSES), over one Analysis (graph, variables, shapes,
+layers) and one SplitConfig; each reads what earlier passes recorded in the
+SplitState, never another module's private fields:
 
-1. fold_static_shapes   shape arithmetic -> constants (global values); IdentityN
-                         split per output
-   recompute_activations  recompute= only: forward copies for the backward,
-                         gated on the gradient that starts each segment
-2. plan_variables       variable shardings: strategy (megatron) + annotations
-3. propagate_layouts    a sharding for every tensor; optimizer-slot and bias
-                         shardings inferred from the ops that use them
-   shard_optimizer_state  zero= only: optimizer slots split over dp, gradients
-                         constrained to their blocks, propagated again
-4. assign_stages        pipeline only: every node's stage (its model chunk
-                         with virtual stages: chunk c runs on stage c % S)
-   plan_offload         offload= only: the nodes that move to the host CPU
-5. materialize          one copy of each op per device, collectives between
-                         shardings (sharding/reshard.py), per-node records;
-                         a device's identical constants made one
-6. check_microbatch_independence
-                        no micro-batch needs another's activations
-7. order_microbatches   micro-batch j+1 waits for micro-batch j (no pipeline)
-   or apply_schedule    the pipeline schedule's control edges (gpipe / 1f1b /
-                         interleaved)
-8. bucket_gradients     gradient all-reduces over the data axis packed into
-                         buckets, one collective each (sharding/buckets.py)
-   offload_optimizer    offload= only: optimizer slots and their update ops
-                         on each device's host CPU (memory/offload.py)
-9. lean_constants       device copies of constants nothing reads removed,
-                         identical constants on one device made one (those
-                         rules and collectives made)
-10. check_acyclic       the result can run
+fold_shapes             shape arithmetic -> constants (global values); IdentityN
+                        split per output; gradients TF flattens over the batch
+                        (TopKV2's) written row by row (graph/gradients.py)
+recompute_activations   recompute= only: forward copies for the backward,
+                        gated on the gradient that starts each segment
+plan_variables          variable shardings: strategy (megatron) + annotations;
+                        the batch split of the inputs
+propagate_layouts       a sharding for every tensor; optimizer-slot and bias
+                        shardings inferred from the ops that use them
+shard_optimizer_state   zero= only: optimizer slots split over dp, gradients
+                        constrained to their blocks, propagated again
+assign_stages           pipeline only: every node's stage (its model chunk
+                        with virtual stages: chunk c runs on stage c % S)
+plan_offload            offload= only: the nodes that move to the host CPU
+materialize_devices     one copy of each op per device, collectives between
+                        shardings (sharding/reshard.py), per-node records
+check_microbatch_independence
+                        no micro-batch needs another's activations, directly
+                        or through an op that runs on the whole batch
+order_work              micro-batch j+1 waits for micro-batch j (no pipeline),
+                        or the pipeline schedule's control edges (gpipe /
+                        1f1b / interleaved)
+bucket_gradients        gradient all-reduces over the data axis packed into
+                        buckets, one collective each (sharding/buckets.py)
+offload_optimizer       offload= only: optimizer slots and their update ops
+                        on each device's host CPU (memory/offload.py)
+lean_constants          device copies of constants nothing reads removed,
+                        identical constants on one device made one
+check_acyclic           the result can run
 """
 import dataclasses
 import fnmatch

@@ -10,7 +10,8 @@ Optionally it supplies `localize(node, device_id)`, called on each device's
 copy of the node to turn global shape constants and attrs into local ones.
 
 Rules live one module per op family (matmul, elementwise, reduce, shape, nn,
-gather, variables) and register themselves with `@register("Op", ...)`.
+and variables: reads, writes and gathers) and register themselves with
+`@register("Op", ...)`.
 """
 import dataclasses
 from typing import Callable, List, Optional
