@@ -355,11 +355,10 @@ def lean_constants(state):
   A rule's localize gives a device its own shape or size constant, and
   folding leaves the leaves of shape arithmetic unread, so the global
   constant's copy on each device goes unread; and every device gets its own
-  copy of every constant a copied op reads (a 12-block GPT's tp=2 split:
-  6k constants, 130 distinct ones per device). TF would prune and merge them
-  before the first step, but first every tool would carry them (a 12-block
-  GPT's tp=2 split: 26.8k nodes, 17.6k without them): the acyclic check, the
-  written graph, its import, Grappler at the first call.
+  copy of every constant a copied op reads, most of them equal. TF would
+  prune and merge them before the first step, but first every tool would
+  carry them (about a third of a split graph's nodes): the acyclic check,
+  the written graph, its import, Grappler at the first call.
 
   Constants are the same when their device, dtype, value and other attrs
   are (the per-node records aside, which name each copy's original). The
@@ -368,8 +367,8 @@ def lean_constants(state):
   input (a control edge) or one another node is colocated with. A removed
   duplicate's readers read the first of its kind, which keeps the node order
   topological; removed nodes' records go with them. One scan of the graph
-  and one deletion: on a 48-block GPT's tp=4 split (127k nodes) each scan
-  costs a quarter of a second. The scan also records whether every input
+  and one deletion, since a scan of a large split graph is not free. The
+  scan also records whether every input
   names an earlier node (state.inputs_come_first), which the acyclic check
   would otherwise scan for again."""
   out = state.materialized

@@ -90,8 +90,8 @@ _LOOP_OPTIMIZER_OPS = frozenset([
 def _skip_idle_optimizers(graph_def, rewrite):
   """Turns off, in `rewrite` (a RewriterConfig), the Grappler optimizers that
   find nothing to change on a split graph but walk all of it before its first
-  step: on a 12-block GPT at tp=2 (17k nodes) they took 2.7 of Grappler's 6 s
-  and changed no node. Settings the caller made (not DEFAULT) are kept.
+  step, changing no node (a large share of Grappler's time on a split graph;
+  BUILD_NOTES has the measurement). Settings the caller made (not DEFAULT) are kept.
 
   - The TFG (MLIR) passes: shape inference, topological sort and control-flow
     sinking; a split graph is already sorted and has no control flow to sink.
@@ -99,8 +99,7 @@ def _skip_idle_optimizers(graph_def, rewrite):
     If / While TF lowers to Switch and Merge before Grappler): the loop
     optimizer. It removes Switch branches a constant predicate kills and
     unread stack pushes, and has nothing else to do (its loop-invariant
-    motion is off by default), but first indexes the whole graph (0.1 s of
-    the 12-block GPT's first call, 0.4 s on a busy host).
+    motion is off by default), but first indexes the whole graph.
   - Without a GPU in the graph: the layout optimizer (it converts layouts
     for GPUs only unless `cpu_layout_conversion` asks) and the memory
     optimizer (its swapping targets GPU memory; on the host, tfsplit's own
