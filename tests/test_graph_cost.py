@@ -10,8 +10,11 @@ import pytest
 import tensorflow as tf
 
 from tfsplit.cli import run
-from tfsplit.cost import calibrate
+from tfsplit.calibration import devices as calibration_devices
+from tfsplit.calibration import graphs as calibration_graphs
+from tfsplit.calibration import measure
 from tfsplit.cost import collectives
+from tfsplit.cost import fitting
 from tfsplit.cost import graph_sim
 from tfsplit.cost import op_cost
 from tfsplit.cost.cluster import ClusterSpec, Device, Host, Link
@@ -287,11 +290,12 @@ def _quick_calibration(tmp_path, capsys, monkeypatch):
   table = str(tmp_path / "table.json")
   # Three of the six steps: the two smallest transformer-shaped ones (every
   # block style between them) and an MLP, cut into 2 and 4 stages.
-  for name, value in (("_WARMUP", 2), ("_ROUNDS", 2), ("_STAGE_ROUNDS", 3),
-                      ("_MICROBATCHES", ()),
-                      ("_TRAINING_STEPS", ((1, 4, 24, 48), (2, 6, 24, 48), (4, 24, 1, 96))),
-                      ("_STAGE_CUTS", ((2, 2), (2, 4)))):
-    monkeypatch.setattr(calibrate, name, value)
+  for module, name, value in (
+      (measure, "WARMUP", 2), (measure, "ROUNDS", 2), (calibration_devices, "_STAGE_ROUNDS", 3),
+      (measure, "_MICROBATCHES", ()),
+      (calibration_graphs, "TRAINING_STEPS", ((1, 4, 24, 48), (2, 6, 24, 48), (4, 24, 1, 96))),
+      (calibration_devices, "_STAGE_CUTS", ((2, 2), (2, 4)))):
+    monkeypatch.setattr(module, name, value)
   assert run(["tfsplit", "calibrate", graph, "-o", table, "--repeats", "2",
               "--traced", "1"]) == 0
   assert "measured op shapes" in capsys.readouterr().out
@@ -319,21 +323,21 @@ def test_calibrate_then_estimate_graph_cli(tmp_path, capsys, monkeypatch):
   # level is the median of those ratios. (Whether a re-timing agrees needs a
   # machine with nothing else running: the slow test below.)
   steps = saved["machine"]["training_steps"]
-  assert len(steps) == len(calibrate._TRAINING_STEPS)  # pylint: disable=protected-access
+  assert len(steps) == len(calibration_graphs.TRAINING_STEPS)
   now = {k: 1.5 * t for k, t in enumerate(steps)}
   now[0] = 3.0 * steps[0]
   loaded = op_cost.CostTable.load(table)
-  assert calibrate.level_ratios(loaded, now) == pytest.approx(
+  assert fitting.level_ratios(loaded, now) == pytest.approx(
       {k: 3.0 if k == 0 else 1.5 for k in now})
-  assert calibrate.machine_level(loaded, now) == pytest.approx(1.5)
-  assert calibrate.machine_level(loaded, {}) is None
+  assert fitting.machine_level(loaded, now) == pytest.approx(1.5)
+  assert fitting.machine_level(loaded, {}) is None
   # The launch cost of a step (a 2-op function call, timed in the same
   # turns as the steps) is part of every step: below the smallest.
   assert 0 < saved["step_overhead"] < min(steps), (saved["step_overhead"], steps)
   # The MLP steps cut into pipeline stages, timed in the same turns: what
   # a further stage adds, less than a whole step.
   assert sorted(saved["machine"]["stage_cuts"]) == sorted(
-      f"{k}x{n}" for k, n in calibrate._STAGE_CUTS)  # pylint: disable=protected-access
+      f"{k}x{n}" for k, n in calibration_devices._STAGE_CUTS)  # pylint: disable=protected-access
   assert 0 <= saved["stage_overhead"] < min(steps), (saved["stage_overhead"], steps)
   trace = str(tmp_path / "step.json")
   assert run(["tfsplit", "estimate", graph, "--calibration", table,
@@ -363,12 +367,12 @@ def test_level_steps_timed_again_take_what_the_table_says(tmp_path, capsys, monk
   # ratio is near 1 (another process sharing the cores moves them all).
   _, table = _quick_calibration(tmp_path, capsys, monkeypatch)
   steps = json.load(open(table, encoding="utf-8"))["machine"]["training_steps"]
-  now = timing.median_of_rounds(calibrate.level_steps(), warmup=5, rounds=3, steps=3)
+  now = timing.median_of_rounds(measure.level_steps(), warmup=5, rounds=3, steps=3)
   ratios = sorted(now[k] / steps[k] for k in now)
   assert 0.5 < ratios[0] and ratios[-1] < 2.0, (now, steps)
   loaded = op_cost.CostTable.load(table)
-  assert sorted(calibrate.level_ratios(loaded, now).values()) == ratios
-  assert calibrate.machine_level(loaded, now) == statistics.median(ratios)
+  assert sorted(fitting.level_ratios(loaded, now).values()) == ratios
+  assert fitting.machine_level(loaded, now) == statistics.median(ratios)
 
 
 # Three models of ~11 MB peak; the small MLP (~0.8 MB) swings by 25% between
@@ -413,7 +417,7 @@ def test_microbatched_training_step_computes_the_same_update():
   # the same step, each micro-batch's forward and backward on a slice of
   # the batch, summed, one update. The micro-batched graph must compute
   # what the whole-batch one does, or its times price another step.
-  whole = calibrate._training_graph(2, 4, 8, 16, first_style=0)  # pylint: disable=protected-access
+  whole = calibration_graphs.training_graph(2, 4, 8, 16, first_style=0)
   rng = np.random.default_rng(0)
   values = {}
   for node in whole.node:
@@ -426,7 +430,7 @@ def test_microbatched_training_step_computes_the_same_update():
   fed = sum(1 for n in whole.node if n.op == "Placeholder")
   assert len(expected) == (fed - 2) // 3   # one per weight (fed with its two moments)
   for m in (2, 4):
-    mb = calibrate._training_graph(2, 4, 8, 16, first_style=0, microbatches=m)  # pylint: disable=protected-access
+    mb = calibration_graphs.training_graph(2, 4, 8, 16, first_style=0, microbatches=m)
     got = _run_updates(mb, values)
     assert sorted(got) == sorted(expected)
     for name, step in expected.items():
@@ -457,12 +461,12 @@ def test_calibration_creates_a_graphs_variables_on_their_devices():
       types.SimpleNamespace(shape=tf.TensorShape([4]), dtype=tf.float32, trainable=True),
       name="w")
   graph = Graph(graph_def)
-  fn, args, variables = calibrate.step_function(graph_def, graph, 0)
+  fn, args, variables = measure.step_function(graph_def, graph, 0)
   assert [v.device.rpartition(":")[2] for v in variables] == ["1"]
   assert args[0].device.endswith("CPU:1")
   (y,) = fn(*args)
   np.testing.assert_allclose(y.numpy(), variables[0].numpy() * args[0].numpy(), rtol=1e-6)
-  tf_graph, _, _, _ = calibrate._session_graph(graph_def, graph, np.random.default_rng(0))  # pylint: disable=protected-access
+  tf_graph, _, _, _ = measure.session_graph(graph_def, graph, np.random.default_rng(0))
   created = tf_graph.get_collection(tf.compat.v1.GraphKeys.GLOBAL_VARIABLES)
   assert [v.device.rpartition(":")[2] for v in created] == ["1"], [v.device for v in created]
 
@@ -480,14 +484,14 @@ def test_in_step_points_scale_each_op_by_its_steps_untraced_time():
   shapes = infer_shapes(graph, [])
   traced = {"mm": [1e-3, 2e-3], "mm2": [3e-3]}
   for step, scale in ((6e-3, 1.0), (10e-3, 2.0)):
-    points = calibrate.in_step_points(
-        [(graph, shapes, calibrate.Profile(traced, step, 4e-3))], launch=2e-3)
+    points = fitting.in_step_points(
+        [(graph, shapes, fitting.Profile(traced, step, 4e-3))], launch=2e-3)
     got = sorted(seconds for _, _, seconds in points.values())
     assert got == pytest.approx([1e-3 * scale, 3e-3 * scale])
   # What the step's call pays for its arguments is outside its ops too:
   # 6 ms less 2 of launch and 1 of arguments, 3 ms over 4 traced.
-  points = calibrate.in_step_points([(graph, shapes, calibrate.Profile(traced, 6e-3, 4e-3))],
-                                    launch=2e-3, call_cost=lambda g: 1e-3)
+  points = fitting.in_step_points([(graph, shapes, fitting.Profile(traced, 6e-3, 4e-3))],
+                                  launch=2e-3, call_cost=lambda g: 1e-3)
   assert sorted(seconds for _, _, seconds in points.values()) == pytest.approx(
       [0.75e-3, 2.25e-3])
 
@@ -506,22 +510,22 @@ def test_fused_matmul_and_bias_add_are_a_point_of_the_matmul_line():
   graph_def = g.as_graph_def()
   graph = Graph(graph_def)
   shapes = infer_shapes(graph, [])
-  profile = calibrate.profile_graph(graph_def, repeats=2, traced=1)
+  profile = measure.profile_graph(graph_def, repeats=2, traced=1)
   assert set(profile.node_times) == {"out"}, profile.node_times
-  assert calibrate.fused_matmuls(graph, profile) == {"mm": "out", "bias": "out"}
-  fused = calibrate.Profile({"out": [4e-3]}, 4e-3, 4e-3)
+  assert fitting.fused_matmuls(graph, profile) == {"mm": "out", "bias": "out"}
+  fused = fitting.Profile({"out": [4e-3]}, 4e-3, 4e-3)
   lines = {line: seconds for line, _, seconds in
-           calibrate.in_step_points([(graph, shapes, fused)]).values()}
+           fitting.in_step_points([(graph, shapes, fused)]).values()}
   assert lines == pytest.approx({"MatMul": 4e-3}), lines
   # Unfused (each traced), each keeps its own time.
-  apart = calibrate.Profile({"mm": [3e-3], "bias": [1e-3], "out": [1e-3]}, 5e-3, 5e-3)
-  assert calibrate.fused_matmuls(graph, apart) == {}
+  apart = fitting.Profile({"mm": [3e-3], "bias": [1e-3], "out": [1e-3]}, 5e-3, 5e-3)
+  assert fitting.fused_matmuls(graph, apart) == {}
   lines = {line: seconds for line, _, seconds in
-           calibrate.in_step_points([(graph, shapes, apart)]).values()}
+           fitting.in_step_points([(graph, shapes, apart)]).values()}
   assert lines == pytest.approx({"MatMul": 3e-3, "BiasAdd": 1e-3, "Relu": 1e-3}), lines
   # A traced bias add straight after an untraced MatMul is the same kernel.
-  pair = calibrate.Profile({"bias": [4e-3], "out": [1e-3]}, 5e-3, 5e-3)
-  assert calibrate.fused_matmuls(graph, pair) == {"mm": "bias"}
+  pair = fitting.Profile({"bias": [4e-3], "out": [1e-3]}, 5e-3, 5e-3)
+  assert fitting.fused_matmuls(graph, pair) == {"mm": "bias"}
 
 
 def test_dense_lines_keep_their_chains_fixed_part_attention_lines_fit_theirs():
@@ -534,14 +538,14 @@ def test_dense_lines_keep_their_chains_fixed_part_attention_lines_fit_theirs():
 
   def step(graph_def):   # every op ran
     graph = Graph(graph_def)
-    return graph, infer_shapes(graph, []), calibrate.Profile(
+    return graph, infer_shapes(graph, []), fitting.Profile(
         {n.name: [1e-6] for n in graph.nodes}, 1e-3, 1e-3)
 
-  mlp = step(calibrate._training_graph(2, 4, 1, 16))  # pylint: disable=protected-access
-  keras3 = step(calibrate._training_graph(1, 2, 8, 16, first_style=2))  # pylint: disable=protected-access
-  in_step = calibrate.step_lines([mlp, keras3])
+  mlp = step(calibration_graphs.training_graph(2, 4, 1, 16))
+  keras3 = step(calibration_graphs.training_graph(1, 2, 8, 16, first_style=2))
+  in_step = fitting.step_lines([mlp, keras3])
   assert {"BatchMatMulV2:broadcast", "Einsum", "Softmax", "MatMul"} <= in_step, in_step
-  fitted = calibrate.lines_fitted_in_steps(in_step, [mlp])
+  fitted = fitting.lines_fitted_in_steps(in_step, [mlp])
   assert {"Einsum", "Softmax"} <= fitted, fitted
   assert not {"BatchMatMulV2:broadcast", "MatMul"} & fitted, fitted
 
@@ -550,8 +554,8 @@ def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
   # The concurrency of logical CPUs is measured on copies of a training
   # step run in lockstep, one per device: each copy must run on its own
   # device (all on one would measure nothing) and compute the same step.
-  graph_def = calibrate._training_graph(1, 2, 4, 8)  # pylint: disable=protected-access
-  (run_copies, args), sess = calibrate._copies_session(graph_def, 2)  # pylint: disable=protected-access
+  graph_def = calibration_graphs.training_graph(1, 2, 4, 8)
+  (run_copies, args), sess = calibration_devices._copies_session(graph_def, 2)  # pylint: disable=protected-access
   try:
     run_copies(*args)
     ends = sorted(n.name for n in graph_def.node
@@ -575,12 +579,12 @@ def test_step_copies_run_one_per_logical_cpu_and_compute_the_same():
 
 def test_stage_cut_steps_run_each_block_on_its_stage_and_compute_the_same():
   # What a further pipeline stage adds is measured on a training step cut
-  # into stages (calibrate.stage_steps): block i, its weights' gradients
-  # and update on logical CPU i * S // blocks, the head on the last. It
+  # into stages (calibration.devices.stage_steps): block i, its weights'
+  # gradients and update on logical CPU i * S // blocks, the head on the last. It
   # must run there (all on one device would measure no stage) and compute
   # what the uncut step does.
-  whole = calibrate._training_graph(4, 4, 1, 16)  # pylint: disable=protected-access
-  cut = calibrate._training_graph(4, 4, 1, 16, stages=4)  # pylint: disable=protected-access
+  whole = calibration_graphs.training_graph(4, 4, 1, 16)
+  cut = calibration_graphs.training_graph(4, 4, 1, 16, stages=4)
   assert [n.name for n in whole.node] == [n.name for n in cut.node]
 
   def run(graph_def):
@@ -588,7 +592,7 @@ def test_stage_cut_steps_run_each_block_on_its_stage_and_compute_the_same():
     with graph.as_default():
       tf.graph_util.import_graph_def(graph_def, name="")
     rng = np.random.default_rng(0)
-    feeds = {f"{n.name}:0": calibrate._feed_value(  # pylint: disable=protected-access
+    feeds = {f"{n.name}:0": measure.feed_value(
         n.attr["dtype"].type, tf.TensorShape(n.attr["shape"].shape).as_list(), rng)
              for n in graph_def.node if n.op == "Placeholder"}
     ends = [f"{n.name}:0" for n in graph_def.node
@@ -626,12 +630,12 @@ def test_further_stage_is_the_median_cut_beyond_its_transfers_paired_by_round():
             (4, 2): [680e-6, 980e-6, 690e-6],      # 80 us a stage
             (4, 4): [840e-6, 1140e-6, 820e-6],     # 80, 80, 70
             (5, 2): [950e-6, 1350e-6, 940e-6]}     # 50, 50, 35
-  overhead, per_cut = calibrate.further_stage_seconds(rounds, 10e-6)
+  overhead, per_cut = fitting.further_stage_seconds(rounds, 10e-6)
   assert per_cut == pytest.approx({(4, 2): 80e-6, (4, 4): 80e-6, (5, 2): 50e-6})
   assert overhead == pytest.approx(60e-6)
   # Cut steps faster than uncut (their devices' work overlapping): 0.
   faster = {**rounds, (4, 2): [590e-6, 890e-6, 600e-6], (5, 2): [880e-6, 1290e-6, 890e-6]}
-  assert calibrate.further_stage_seconds(faster, 10e-6)[0] == 0.0
+  assert fitting.further_stage_seconds(faster, 10e-6)[0] == 0.0
 
 
 def test_take_turns_lengthens_the_turns_of_short_steps():
@@ -684,8 +688,8 @@ def test_exchanging_step_copies_compute_the_plain_step_over_their_collectives():
   # Identical copies' mean is the value itself, so each copy must compute
   # the plain step's updates exactly (a sum, or a gradient left out of the
   # exchange, changes them), and the collectives must be what is counted.
-  plain = calibrate._training_graph(2, 4, 1, 16)  # pylint: disable=protected-access
-  exchanging = calibrate._training_graph(2, 4, 1, 16, exchange_over=2)  # pylint: disable=protected-access
+  plain = calibration_graphs.training_graph(2, 4, 1, 16)
+  exchanging = calibration_graphs.training_graph(2, 4, 1, 16, exchange_over=2)
   collectives = [n for n in exchanging.node if n.op == "CollectiveReduceV2"]
   assert not [n for n in plain.node if n.op.startswith("Collective")]
   assert len(collectives) == 2 * 2
@@ -699,7 +703,7 @@ def test_exchanging_step_copies_compute_the_plain_step_over_their_collectives():
                                  if n.name.startswith("update/") and n.op == "Identity")
 
   def updates(graph_def, copies):
-    (run, args), sess = calibrate._copies_session(graph_def, copies)  # pylint: disable=protected-access
+    (run, args), sess = calibration_devices._copies_session(graph_def, copies)  # pylint: disable=protected-access
     try:
       run(*args)
       return sess.run({(d, e): f"copy{d}/{e}:0" for d in range(copies) for e in ends})
@@ -708,7 +712,7 @@ def test_exchanging_step_copies_compute_the_plain_step_over_their_collectives():
 
   # Two groups of 2 exchanging at once: 4 copies, each group under its own
   # key (one key for all 4 would wait for 2 members more than the group has).
-  grouped = [calibrate._training_graph(2, 4, 1, 16, exchange_over=2, exchange_group=d // 2)  # pylint: disable=protected-access
+  grouped = [calibration_graphs.training_graph(2, 4, 1, 16, exchange_over=2, exchange_group=d // 2)
              for d in range(4)]
 
   def group_keys(graph_def):
@@ -735,13 +739,13 @@ def test_a_collective_is_priced_at_its_in_step_cost_never_below_the_chains(monke
   # the in-step cost, and the chain's where the steps read less (their
   # difference is then noise).
   chain = {2: 60e-6, 4: 130e-6}
-  monkeypatch.setattr(calibrate, "_unit_seconds",
+  monkeypatch.setattr(calibration_devices, "_unit_seconds",
                       lambda kind, repeats, devices=2: chain[devices] if kind == "collective"
                       else 5e-6)
-  monkeypatch.setattr(calibrate, "step_concurrency", lambda repeats: (
+  monkeypatch.setattr(calibration_devices, "step_concurrency", lambda repeats: (
       {2: 1.3, 4: 1.3}, {2: [1.3], 4: [1.3]},
       {(2, 1): 200e-6, (4, 1): 100e-6, (2, 2): 260e-6}))
-  got = calibrate.device_benchmark(1)
+  got = calibration_devices.device_benchmark(1)
   assert got["collective"] == pytest.approx({2: 200e-6, 4: 130e-6})
   assert got["chain"] == chain and got["transfer"] == 5e-6
   assert got["concurrency"] == {2: 1.3, 4: 1.3}
@@ -755,19 +759,19 @@ def test_a_collectives_in_step_cost_is_the_exchanges_added_time_over_their_count
   # Over the MLP-shaped steps' copies: what exchanging added to each, summed,
   # over the collectives they ran (the step with the most weighs most).
   # Two groups of 2 exchanging at once are timed against 4 plain copies.
-  x = calibrate.EXCHANGE
+  x = fitting.EXCHANGE
   seconds = {(4, 2): 1e-3, (4, 2, x, 1): 2.6e-3, (5, 2): 2e-3, (5, 2, x, 1): 2.4e-3,
              (4, 4): 2e-3, (4, 4, x, 1): 6.8e-3, (5, 4): 3e-3, (5, 4, x, 1): 3e-3,
              (4, 2, x, 2): 4.4e-3, (5, 2, x, 2): 3.6e-3}
-  got = calibrate.in_step_collective(seconds, {4: 8, 5: 4}, ((2, 1), (4, 1), (2, 2)))
+  got = fitting.in_step_collective(seconds, {4: 8, 5: 4}, ((2, 1), (4, 1), (2, 2)))
   assert got == pytest.approx({(2, 1): 2e-3 / 12, (4, 1): 4.8e-3 / 12, (2, 2): 3e-3 / 12})
 
 
 def test_collective_overlap_is_the_further_groups_share_within_0_and_1():
-  assert calibrate.collective_overlap(150e-6, 100e-6, 2) == pytest.approx(0.5)
-  assert calibrate.collective_overlap(300e-6, 100e-6, 3) == pytest.approx(1.0)
-  assert calibrate.collective_overlap(80e-6, 100e-6, 2) == 0.0    # noise below one group's
-  assert calibrate.collective_overlap(500e-6, 100e-6, 2) == 1.0   # no worse than in turn
+  assert fitting.collective_overlap(150e-6, 100e-6, 2) == pytest.approx(0.5)
+  assert fitting.collective_overlap(300e-6, 100e-6, 3) == pytest.approx(1.0)
+  assert fitting.collective_overlap(80e-6, 100e-6, 2) == 0.0    # noise below one group's
+  assert fitting.collective_overlap(500e-6, 100e-6, 2) == 1.0   # no worse than in turn
   assert op_cost.collectives_at_once(100e-6, 1, 0.4) == pytest.approx(100e-6)
   assert op_cost.collectives_at_once(100e-6, 3, 0.4) == pytest.approx(180e-6)
 
@@ -777,18 +781,18 @@ def test_a_calls_arguments_and_outputs_cost_what_its_calls_beside_the_launch_add
   # moments as arguments (17-143 of them, 3-4 us each here); a user's step
   # captures its weights. What a call's further arguments and outputs add
   # is priced by calls of 40 of each beside the launch's call of one.
-  for arguments, outputs in ((1, 1), (calibrate._CALL_TENSORS, 1), (1, calibrate._CALL_TENSORS)):  # pylint: disable=protected-access
-    graph = Graph(calibrate._call_graph(arguments, outputs))  # pylint: disable=protected-access
+  for arguments, outputs in ((1, 1), (fitting.CALL_TENSORS, 1), (1, fitting.CALL_TENSORS)):
+    graph = Graph(calibration_graphs.call_graph(arguments, outputs))
     assert (len(graph_inputs(graph)), len(graph_outputs(graph))) == (arguments, outputs)
   seconds = {"arguments": 100e-6 + 39 * 3e-6, "outputs": 100e-6 + 39 * 1e-6}
-  assert calibrate.call_costs(seconds, 100e-6) == pytest.approx((3e-6, 1e-6))
-  assert calibrate.call_costs({"arguments": 90e-6, "outputs": 90e-6}, 100e-6) == (0.0, 0.0)
+  assert fitting.call_costs(seconds, 100e-6) == pytest.approx((3e-6, 1e-6))
+  assert fitting.call_costs({"arguments": 90e-6, "outputs": 90e-6}, 100e-6) == (0.0, 0.0)
   path = str(tmp_path / "table.json")
   op_cost.CostTable(step_overhead=1e-4, argument_overhead=3e-6, output_overhead=1e-6).save(path)
   table = op_cost.CostTable.load(path)
   assert table.call_overhead(1, 1) == 0.0   # the launch's call
   assert table.call_overhead(11, 3) == pytest.approx(10 * 3e-6 + 2 * 1e-6)
-  step = Graph(calibrate._training_graph(1, 2, 4, 8))  # pylint: disable=protected-access
+  step = Graph(calibration_graphs.training_graph(1, 2, 4, 8))
   assert table.graph_call_overhead(step) == pytest.approx(
       table.call_overhead(len(graph_inputs(step)), len(graph_outputs(step))))
   assert len(graph_inputs(step)) > 10   # its weights and moments are fed
@@ -806,14 +810,14 @@ def test_step_scale_fits_the_lines_scale_and_each_ops_gap_over_the_steps():
   model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
   steps = []
   for sizes in ((1, 2, 4, 8), (2, 4, 8, 16), (1, 8, 16, 32), (2, 16, 32, 64)):
-    graph = Graph(calibrate._training_graph(*sizes))  # pylint: disable=protected-access
+    graph = Graph(calibration_graphs.training_graph(*sizes))
     shapes = infer_shapes(graph, [])
     costs = [op_cost.node_cost(n, shapes, graph) for n in graph.nodes]
     lines = sum(model.compute_time(c) for c in costs if not c.comm)
     ops = sum(1 for c in costs if not c.comm)
     seconds = 1.1 * lines + 0.8e-6 * ops + 1e-4 + table.graph_call_overhead(graph)
-    steps.append((graph, shapes, calibrate.Profile({}, seconds, seconds), lines, ops))
-  scale, gap = calibrate.step_scale(table, [s[:3] for s in steps], cluster)
+    steps.append((graph, shapes, fitting.Profile({}, seconds, seconds), lines, ops))
+  scale, gap = fitting.step_scale(table, [s[:3] for s in steps], cluster)
   assert (scale, gap) == pytest.approx((1.1, 0.8e-6), rel=1e-6)
   graph, shapes, profile, lines, ops = steps[0]
   ratio_of_sums = (sum(s[2].step_time - 1e-4 - table.graph_call_overhead(s[0]) for s in steps) /
@@ -832,7 +836,7 @@ def test_kernel_and_gap_concurrency_come_back_from_the_steps_measured_concurrenc
   model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
   steps, measured = [], []
   for sizes in ((1, 2, 4, 8), (2, 4, 8, 16), (1, 8, 16, 32), (2, 16, 32, 64)):
-    graph = Graph(calibrate._training_graph(*sizes))  # pylint: disable=protected-access
+    graph = Graph(calibration_graphs.training_graph(*sizes))
     shapes = infer_shapes(graph, [])
     costs = [c for c in (op_cost.node_cost(n, shapes, graph) for n in graph.nodes)
              if not c.comm]
@@ -841,7 +845,7 @@ def test_kernel_and_gap_concurrency_come_back_from_the_steps_measured_concurrenc
     steps.append((graph, shapes, None))
     measured.append((work + gaps) / (work / 1.25 + gaps / 1.8))
   assert len({round(c, 3) for c in measured}) == len(measured)   # steps of different mixes
-  kernels, gaps = calibrate.kernel_and_gap_concurrency(table, steps, {2: measured}, cluster)
+  kernels, gaps = fitting.kernel_and_gap_concurrency(table, steps, {2: measured}, cluster)
   assert kernels == pytest.approx({2: 1.25}) and gaps == pytest.approx({2: 1.8})
   table.op_overhead = 0.0
-  assert calibrate.kernel_and_gap_concurrency(table, steps, {2: measured}, cluster) == ({}, {})
+  assert fitting.kernel_and_gap_concurrency(table, steps, {2: measured}, cluster) == ({}, {})

@@ -128,7 +128,7 @@ def measure_one(name, size, steps, with_time):
     # are timed in three windows, before, between and after the two
     # calibrations, and the median window counts: a burst of other work on
     # the machine spoils one window, not the figure.
-    from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+    from tfsplit.calibration.run import calibrate  # pylint: disable=import-outside-toplevel
     timed = {"measured_step": (ex.concrete("train"), inputs),
              "function_step": (ex.train_step, inputs)}
     windows = {key: [] for key in timed}
@@ -140,7 +140,7 @@ def measure_one(name, size, steps, with_time):
 
     time_window()
     for key, graphs in (("micro", []), ("calibrated", [graph_def])):
-      table = calibrate.calibrate(graphs)
+      table = calibrate(graphs)
       res = graph_sim.simulate_graph(
           graph, cluster, op_cost.CostModel(cluster, table), shapes=shapes,
           variables=variables)

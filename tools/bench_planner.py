@@ -196,14 +196,16 @@ def measured(specs):
   benchlib.logical_devices("CPU", devices)  # before TensorFlow's runtime starts
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import tfsplit  # pylint: disable=import-outside-toplevel
-  from tfsplit.cost import calibrate, op_cost  # pylint: disable=import-outside-toplevel
+  from tfsplit.calibration import measure  # pylint: disable=import-outside-toplevel
+  from tfsplit.calibration.run import calibrate  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import fitting, op_cost  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import Plan, space  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
   path = FLAGS.calibration
   if path and os.path.exists(path):
     table = op_cost.CostTable.load(path)
   else:
-    table = calibrate.calibrate()
+    table = calibrate()
     if path:
       table.save(path)
   spec = cluster_lib.from_preset("cpu-host", devices, devices_per_host=devices)
@@ -221,7 +223,7 @@ def measured(specs):
   steps, priced = {}, []   # every model's plans, timed together
   # The machine's level now against the table's: the calibration's small
   # training steps take turns with the plans.
-  level_steps = calibrate.level_steps() if table.machine.get("training_steps") else {}
+  level_steps = measure.level_steps() if table.machine.get("training_steps") else {}
   for text in specs:
     ex, graph_def, names = benchlib.example_model(text)
     profile = profile_lib.from_graph(graph_def, op_cost.CostModel(spec, table=table))
@@ -265,7 +267,7 @@ def measured(specs):
   # alone).
   level_now = {text: {k: min(round_medians[(LEVEL, k, text)]) for k in level_steps}
                for text in specs}
-  levels = {text: calibrate.machine_level(table, now) or 1.0
+  levels = {text: fitting.machine_level(table, now) or 1.0
             for text, now in level_now.items()}
   rows, results = [], []
   for text, rank, est in priced:
@@ -286,7 +288,7 @@ def measured(specs):
   for text in specs if level_steps else ():
     print(f"  machine level beside {text}'s plans: the calibration's training steps take "
           f"{levels[text]:.2f} x their times in the table (the median of " + ", ".join(
-              f"{r:.2f}" for r in calibrate.level_ratios(table, level_now[text]).values()) + ")")
+              f"{r:.2f}" for r in fitting.level_ratios(table, level_now[text]).values()) + ")")
   if steal is not None:
     print(f"  CPU time the host gave other guests while the steps ran (steal): {steal:.0%}")
   print(format_table(["model", "rank", "plan", "predicted ms", "measured ms",

@@ -31,7 +31,7 @@ def define_flags(fv):
 
 
 def run(fv, args):
-  from tfsplit.cost import calibrate  # pylint: disable=import-outside-toplevel
+  from tfsplit.calibration.run import calibrate  # pylint: disable=import-outside-toplevel
   from tfsplit.fileio import require_folder  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
   require_folder(fv.output)  # fail before minutes of measuring
@@ -42,8 +42,8 @@ def run(fv, args):
     sys.stderr.write(f"tfsplit calibrate: {message}\n")
     sys.stderr.flush()
 
-  table = calibrate.calibrate(graph_defs, repeats=fv.repeats, traced=fv.traced,
-                              progress=progress)
+  table = calibrate(graph_defs, repeats=fv.repeats, traced=fv.traced,
+                    progress=progress)
   table.save(fv.output)
   flops = f"{table.flops / 1e9:.4g} GFLOP/s" if table.flops else "?"
   bandwidth = f"{table.bandwidth / 1e9:.4g} GB/s" if table.bandwidth else "?"

@@ -297,7 +297,7 @@ class CostTable:
   argument_overhead / output_overhead: seconds each further argument /
     output of a call adds to it (call_overhead).
   stage_overhead: seconds each further pipeline stage adds to a step,
-    beyond its transfers (calibrate.stage_overhead); None: not measured
+    beyond its transfers (fitting.further_stage_seconds); None: not measured
     (tables from before it was), each stage then priced at step_overhead.
   flops / bandwidth: the machine's measured best MatMul FLOP/s and copy
     bytes/s; the roofline of a calibrated device uses these.
@@ -315,16 +315,16 @@ class CostTable:
     ({devices: value}; see concurrency_for and collective_for).
   kernel_concurrency / gap_concurrency: {devices: how many devices' ops'
     work, and how many devices' per-op gaps (op_overhead), run at once}
-    (calibrate.kernel_and_gap_concurrency); {}: not measured.
+    (fitting.kernel_and_gap_concurrency); {}: not measured.
   collective_overlap: the share of one group's collective cost that each
     further group running one at the same moment adds (two tensor-parallel
     pairs of a dp=2,tp=2 split all-reduce side by side; their waits partly
     overlap): 0 fully, 1 (unmeasured) not at all; see collectives_at_once.
   machine: where it was measured (platform, cores, TensorFlow), and
-    'training_steps': seconds of each of calibrate's small synthetic
+    'training_steps': seconds of each of the calibration's small synthetic
     training steps then, the machine's level (a benchmark times them again
     to see how much faster or slower the machine runs now:
-    calibrate.machine_level).
+    fitting.machine_level).
   """
   entries: dict = dataclasses.field(default_factory=dict)
   op_factor: dict = dataclasses.field(default_factory=dict)
