@@ -4,7 +4,7 @@ A step's time moves with whatever else the machine runs: a burst of other
 work lasting a second shifts every call timed in that second. Timing steps
 in turns (each step a few calls, round after round) spreads such bursts
 over all of them, and the median (or the fastest) of the rounds' medians
-drops the rounds a burst hit. Calibration (tfsplit.cost.calibrate) and
+drops the rounds a burst hit. Calibration (tfsplit.calibration) and
 the benchmarks in tools/ time steps this way.
 """
 import math
