@@ -469,15 +469,19 @@ def _define(K):
           equation_in, x, up)
       return tf.einsum(equation_out, h, down)
 
-  class DenseMoE(layers.Layer):
-    """Every expert computes every token; one-hot routing weights select."""
+  class MoELayer(layers.Layer):
+    """A router and experts whose einsums are the class's EQUATIONS."""
+    EQUATIONS = None
 
     def __init__(self, cfg, **kwargs):
       super().__init__(**kwargs)
       self.cfg = cfg
       self.router = Router(cfg, name="router")
-      self.experts = Experts(cfg, "btd,edf->btef", "btef,efd->bted",
-                             name="experts")
+      self.experts = Experts(cfg, *self.EQUATIONS, name="experts")
+
+  class DenseMoE(MoELayer):
+    """Every expert computes every token; one-hot routing weights select."""
+    EQUATIONS = ("btd,edf->btef", "btef,efd->bted")
 
     def call(self, x):
       index, weights, aux = self.router(x)
@@ -488,16 +492,10 @@ def _define(K):
       out = self.experts(x)
       return tf.einsum("bted,bte->btd", out, routing), aux
 
-  class CapacityMoE(layers.Layer):
+  class CapacityMoE(MoELayer):
     """GShard / Switch dispatch: each sequence a group, `capacity` slots per
     expert, first choices placed before second choices in token order."""
-
-    def __init__(self, cfg, **kwargs):
-      super().__init__(**kwargs)
-      self.cfg = cfg
-      self.router = Router(cfg, name="router")
-      self.experts = Experts(cfg, "becd,edf->becf", "becf,efd->becd",
-                             name="experts")
+    EQUATIONS = ("becd,edf->becf", "becf,efd->becd")
 
     def call(self, x):
       cfg = self.cfg
