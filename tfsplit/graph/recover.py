@@ -19,11 +19,22 @@ to, which would make any guess about that variable look right). Sources, in
 the order they are tried; the label is what `RecoveryReport.sources` counts:
 - *gradient constant*: TF's gradient code folds a variable's static shape
   into constants: `gradient_tape/<ResourceGather>/Const` (the dense shape of
-  the gather's IndexedSlices gradient), and a `Shape*` Const colocated
-  (`_class: loc:@<read>`) with a read whose gather it differentiates;
+  the gather's IndexedSlices gradient), a `Shape*` Const colocated
+  (`_class: loc:@<read>`) with a read whose gather it differentiates, and
+  the `Shape` / `Shape_1` of the operands of an op whose gradient takes its
+  operands' shapes in order (Einsum, BatchMatMul, broadcasting arithmetic),
+  found by the gradient's name scope (the op named like it, or the only such
+  op directly in it: `gradient_tape/.../einsum_2/Shape_1` is the second
+  operand of `.../einsum_2/Einsum`), where that operand is a variable's read
+  (an expert weight `edf` whose `f` nothing else fixes). Taken when it agrees
+  with what the rules below find;
 - *update*: the value an AssignVariableOp / AssignAdd / AssignSub writes has
   the variable's shape (TF checks it when the op runs); for ResourceApply*,
   so has the gradient; ResourceScatter* fix all but the first dimension;
+- *written value*: the same check read backwards: a variable whose read is
+  written unchanged (through Identity, Cast, unary elementwise ops, AddN, a
+  product with a scalar) into a variable of known shape has that shape
+  (tf_keras's SGD adds its momentum slot to the weight);
 - *reader*: the op a read feeds fixes dimensions of the variable: MatMul and
   BatchMatMul (the contracted dimension from the other operand, the other
   one from the output), Einsum (each letter's size wherever it is known),
@@ -31,12 +42,14 @@ the order they are tried; the label is what `RecoveryReport.sources` counts:
   first dimension);
 - two helpers make more tensors known to the inference: gradient code also
   leaves the static shapes of the forward tensors it differentiates as
-  constants `gradient_tape/<op>/Shape` (input 0 of <op>) and `.../Shape_1`
-  (input 1), often dead; they become EnsureShape hints on those tensors, but
+  constants `gradient_tape/<scope>/Shape` (input 0 of the op found as
+  above) and `.../Shape_1` (input 1); they become EnsureShape hints on those
+  tensors, but
   only where the tensor's rank and known dimensions agree with the constant.
   And integer arithmetic on constants (the StridedSlice / ConcatV2 that
   gradient code applies to those shapes, which Grappler does not evaluate)
-  is evaluated once by TensorFlow and becomes constants in the copy;
+  is evaluated once by TensorFlow (without the constants' colocation with
+  nodes it leaves out) and becomes constants in the copy;
 - *operand* (when a round of the above learns nothing new): a variable that
   its update combines elementwise with other tensors (Adam's moments:
   m += (g - m) * (1 - beta1)) is conjectured to have the shape of one of
@@ -48,7 +61,15 @@ the order they are tried; the label is what `RecoveryReport.sources` counts:
   may have passed thanks to another one that failed); a conjecture an
   update contradicts is not tried again;
 - *scalar operand*: a variable that is only read, and only ever combined
-  with scalars (a learning rate), is a scalar.
+  with scalars (a learning rate), is a scalar; so is one only read whose
+  reads reach, through elementwise ops, values written to variables of
+  known shapes that leave it no dimension but 1 (SGD's learning rate times
+  gradients of different shapes: it must broadcast into each); the graph
+  cannot tell () from [1] there, and () is what optimizers make;
+- *row slot*: a variable updated only row by row (ResourceScatter*, the
+  optimizer slot of a variable with a sparse gradient) has the shape of the
+  one variable whose update reads it, where the rows it is given agree
+  (counted as *operand*).
 At the end every update of every variable must write a value compatible
 with the variable's shape; a variable that fails this is left unknown.
 
@@ -141,6 +162,7 @@ SOURCE_READER = "reader"
 SOURCE_OPERAND = "operand"
 SOURCE_SCALAR = "scalar operand"
 SOURCE_CONSTANT = "gradient constant"
+SOURCE_WRITTEN = "written value"
 SOURCE_SAVED = "--variables"
 
 
@@ -192,9 +214,13 @@ class RecoveryReport:
 
 
 def missing_shapes_message(label, missing, total):
+  """One line naming the variables without a shape: the trained ones first
+  (up to 6: the weights whose shapes are open; their slots follow them)."""
+  missing = sorted(missing, key=lambda v: not v.trainable)  # stable: node order kept
+  count = min(max(3, sum(bool(v.trainable) for v in missing)), 6)
   shown = ", ".join(v.name + (f" {v.shape_text()}" if v.shape is not None else "")
-                    for v in missing[:3])
-  more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+                    for v in missing[:count])
+  more = f" and {len(missing) - count} more" if len(missing) > count else ""
   return (f"{label}: {len(missing)} of {total} captured variables have no shape the "
           f"graph determines ({shown}{more}); pass --variables PATH (a checkpoint or "
           "SavedModel holding them) to take shapes from there, or load the graph from "
@@ -235,7 +261,8 @@ class _Inference(object):
 
   def __init__(self, graph):
     self.graph = graph
-    self.hint_candidates = _gradient_shape_constants(graph)  # tensor -> shape
+    self.shape_targets = _shape_constant_targets(graph)
+    self.hint_candidates = _gradient_shape_constants(graph, self.shape_targets)  # tensor -> shape
     self.folded = _fold_shape_arithmetic(graph)  # node -> TensorProto
     self.hints = {}        # tensor -> shape, in use
     self.shapes = None     # ShapeMap of the last run
@@ -284,14 +311,41 @@ class _Inference(object):
     return added
 
 
-def _gradient_shape_constants(graph):
-  """{forward tensor: shape} from gradient code's folded Shape constants."""
-  found = {}
+# Ops whose gradient takes the static shapes of its inputs in input order
+# (`Shape` of input 0, `Shape_1` of input 1, for its broadcasting reductions),
+# so a `Shape_<k>` Const in its gradient's scope is input k's static shape.
+_ORDERED_SHAPE_GRADIENTS = frozenset([
+    "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3", "Einsum", "Add", "AddV2", "Sub", "Mul",
+    "RealDiv", "Div", "DivNoNan", "MulNoNan", "Maximum", "Minimum", "SquaredDifference",
+    "Pow", "Xdivy", "Xlogy", "Xlog1py", "TruncateDiv", "FloorDiv", "FloorMod"])
+# Ops whose gradient makes no shape constant of its own.
+_NO_SHAPE_GRADIENT = frozenset([
+    "ReadVariableOp", "Const", "Identity", "IdentityN", "Cast", "Placeholder", "NoOp",
+    "Shape", "ShapeN", "Size", "Rank", "StopGradient", "Snapshot", "PreventGradient"])
+
+
+def _shape_constant_targets(graph):
+  """[(forward op, input index, shape, ordered)] of gradient code's Shape constants.
+
+  TF's gradient code folds the static shape of a forward tensor it needs
+  into a Const `gradient_tape/<scope>/Shape` (`Shape_1`, ...), where <scope>
+  is the name scope the forward op was made in (tf.gradients:
+  `gradients/<op>_grad/Shape`), often dead (the shapes of a broadcasting
+  op's operands when nothing broadcasts). The op is the one named <scope>
+  (tf.matmul names its op after its own scope: `.../MatMul/Shape_1`), or
+  else the only op directly in <scope> whose
+  gradient makes shape constants, when that op is one whose gradient takes
+  its inputs' shapes in input order (`.../einsum_2/Shape_1` of
+  `.../einsum_2/Einsum`, the second operand: often a variable's read).
+  `ordered`: the op is one of those (the constant is surely input k's).
+  """
+  children = None
+  out = []
   for node in graph.nodes:
     if node.op != "Const":
       continue
     m = _SHAPE_CONST.match(node.name)
-    if not m or m.group(1) not in graph:
+    if not m:
       continue
     index = int(m.group(2) or 0)
     if index > 1:
@@ -299,11 +353,33 @@ def _gradient_shape_constants(graph):
     shape = _int_vector(node)
     if shape is None:
       continue
-    forward = graph.node(m.group(1))
+    scope = m.group(1)
+    forward = graph.get(scope)
+    if forward is None and scope.endswith("_grad"):
+      forward = graph.get(scope[:-len("_grad")])  # tf.gradients: '<op>_grad/Shape'
+    if forward is None:
+      if children is None:
+        children = collections.defaultdict(list)
+        for other in graph.nodes:
+          parent, sep, _ = other.name.rpartition("/")
+          if sep and other.op not in _NO_SHAPE_GRADIENT and \
+              not GRADIENT_PREFIX.match(other.name):
+            children[parent].append(other)
+      found = children.get(scope, ())
+      if len(found) != 1 or found[0].op not in _ORDERED_SHAPE_GRADIENTS:
+        continue
+      forward = found[0]
     data = [t for t in forward.input if not t.startswith("^")]
-    if index >= len(data):
-      continue
-    src, port = parse_input(data[index])
+    if index < len(data):
+      out.append((forward, data[index], shape, forward.op in _ORDERED_SHAPE_GRADIENTS))
+  return out
+
+
+def _gradient_shape_constants(graph, targets=None):
+  """{forward tensor: shape} from gradient code's folded Shape constants."""
+  found = {}
+  for _, text, shape, _ in (_shape_constant_targets(graph) if targets is None else targets):
+    src, port = parse_input(text)
     key = f"{src}:{port}"
     if key in found and found[key] != shape:
       found[key] = None  # two constants disagree: use neither
@@ -328,13 +404,19 @@ def _int_vector(node):
   return tuple(int(d) for d in value)
 
 
-def _variable_shape_constants(graph, st):
+def _variable_shape_constants(graph, st, targets=None):
   """{handle: shape} from constants TF's gradient code made of a variable's shape.
 
   - ResourceGather's gradient folds the variable's static shape into
     `gradient_tape/<gather>/Const` (the params shape of its IndexedSlices);
   - GatherV2's (and others') gradient computes `Shape` of the read it
-    differentiates colocated with it: a Const with `_class: loc:@<read>`.
+    differentiates colocated with it: a Const with `_class: loc:@<read>`;
+  - an op whose gradient takes its operands' shapes in order (Einsum,
+    BatchMatMul, broadcasting arithmetic: `_shape_constant_targets`) leaves
+    the shape of an operand that is a variable's read (an expert weight in
+    `einsum('becd,edf->becf', x, w)`, whose `f` nothing else in the graph
+    fixes).
+  Constants that disagree about one variable give it none.
   """
   found = collections.defaultdict(list)
   reads = {}
@@ -354,6 +436,10 @@ def _variable_shape_constants(graph, st):
       if target in reads and graph.node(target).op == "ReadVariableOp" and \
           node.name.rsplit("/", 1)[-1].startswith("Shape"):
         found[reads[target]].append(value)
+  for _, text, shape, ordered in (_shape_constant_targets(graph) if targets is None else targets):
+    src, port = parse_input(text)
+    if ordered and port == 0 and src in reads and graph.node(src).op == "ReadVariableOp":
+      found[reads[src]].append(shape)
   return {h: shapes[0] for h, shapes in found.items() if len(set(shapes)) == 1}
 
 
@@ -460,6 +546,8 @@ def _fold_shape_arithmetic(graph):
     del node.input[:]
     node.input.extend(t for t in graph.node(name).input if not t.startswith("^"))
     node.device = ""
+    if "_class" in node.attr:  # colocation with nodes the copy leaves out
+      del node.attr["_class"]
   try:
     with tf.Graph().as_default() as g:
       tf.graph_util.import_graph_def(sub, name="")
@@ -498,6 +586,7 @@ class _Structure(object):
     self.reads = collections.defaultdict(list)    # handle -> [read node]
     self.writers = collections.defaultdict(list)  # handle -> [(node, value input)]
     self.appliers = collections.defaultdict(list)  # handle -> [ResourceApply* node]
+    self.scatters = collections.defaultdict(list)  # handle -> [ResourceScatter* node]
     self.users = collections.defaultdict(list)    # handle -> [node using it at input 0]
     self._readers = None
     for handle in handles:
@@ -509,9 +598,15 @@ class _Structure(object):
             self.reads[handle].append(node)
           elif node.op in _FULL_VALUE_WRITERS and len(data) > 1:
             self.writers[handle].append((node, data[1]))
+          elif node.op.startswith("ResourceScatter") and len(data) > 2:
+            self.scatters[handle].append(node)
         if node.op.startswith(("ResourceApply", "ResourceSparseApply")):
           if any(parse_input(t)[0] == handle for t in data):
             self.appliers[handle].append(node)
+
+  def updated(self, handle):
+    """Whether anything writes the variable."""
+    return bool(self.writers[handle] or self.appliers[handle] or self.scatters[handle])
 
   def update_readers(self):
     """{handle: {handles whose updates read it}} (an optimizer slot: one)."""
@@ -520,7 +615,7 @@ class _Structure(object):
     readers = collections.defaultdict(set)
     for handle in self.users:
       roots = [parse_input(value)[0] for _, value in self.writers[handle]]
-      for node in self.appliers[handle]:
+      for node in self.appliers[handle] + self.scatters[handle]:
         roots.extend(parse_input(t)[0] for t in node.input[1:] if not t.startswith("^"))
       for name in self.graph.data_ancestors(roots):
         node = self.graph.node(name)
@@ -737,10 +832,67 @@ def _operand_candidates(st, inf, var, owner_shape=None):
   return out, reads
 
 
+def _requirements(st, inf, by_node):
+  """What the updates of variables of known shape require of what they read.
+
+  TF checks that an update writes a value of its variable's shape. Walking
+  back from that value through ops that keep shapes (Identity, Cast, unary
+  elementwise, AddN) the requirement stays exact; through a broadcasting
+  binary op each operand only has to broadcast into it (exact again where
+  the other operand is a scalar). Returns ({handle: [shape]}: a read of the
+  variable is written unchanged, so it has that shape (tf_keras SGD: w +=
+  its momentum slot); {handle: [full shape]}: its read broadcasts into each
+  (SGD's learning rate times a gradient)).
+  """
+  exact, bounds = collections.defaultdict(list), collections.defaultdict(list)
+  for v in by_node.values():
+    if v.shape is None:
+      continue
+    for _, value in st.writers[v.node]:
+      stack, seen = [(value, True)], set()
+      while stack and len(seen) < _MAX_CHAIN:
+        text, is_exact = stack.pop()
+        src, port = parse_input(text)
+        if (src, port, is_exact) in seen:
+          continue
+        seen.add((src, port, is_exact))
+        node = st.graph.node(src)
+        data = [t for t in node.input if not t.startswith("^")]
+        if node.op == "ReadVariableOp" and data:
+          handle = parse_input(data[0])[0]
+          if handle != v.node and handle in by_node:
+            if is_exact:
+              exact[handle].append(v.shape)
+            elif _full(v.shape):
+              bounds[handle].append(v.shape)
+        elif node.op in _SAME_SHAPE and data:
+          stack.append((data[0], is_exact))
+        elif node.op == "AddN":
+          stack.extend((t, is_exact) for t in data)
+        elif node.op in _BINARY and len(data) == 2:
+          for i in (0, 1):
+            scalar_partner = inf.shape(data[1 - i]) == ()
+            if (is_exact and scalar_partner) or _full(v.shape):
+              stack.append((data[i], is_exact and scalar_partner))
+  return exact, bounds
+
+
+def _only_unit_fits(bounds):
+  """Whether only shapes of size-1 dimensions broadcast into every shape of
+  `bounds` (full shapes): then the variable is taken to be a scalar."""
+  if not bounds:
+    return False
+  for d in range(1, min(len(b) for b in bounds) + 1):
+    sizes = {b[-d] for b in bounds}
+    if len(sizes) == 1 and 1 not in sizes:
+      return False  # that dimension could be the common size
+  return True
+
+
 def _fixpoint(graph, st, inf, variables):
   """Fills in var.shape / var.source as far as the graph determines them."""
   tried = collections.defaultdict(set)
-  constants = _variable_shape_constants(graph, st)
+  constants = _variable_shape_constants(graph, st, inf.shape_targets)
   owners = st.update_readers()
   by_node = {v.node: v for v in variables}
 
@@ -763,28 +915,41 @@ def _fixpoint(graph, st, inf, variables):
       tried.clear()
       known = now_known
     # Direct rules.
+    exact, bounds = _requirements(st, inf, by_node)
     for v in variables:
       if v.known:
         continue
       before = v.shape
-      constant = constants.get(v.node)
-      if constant is not None and _compatible(v.shape, constant):
-        v.shape, v.source = constant, SOURCE_CONSTANT
-        progress = True
-        continue
       try:
         for read in st.reads[v.node]:
           v.shape = _reader_shape(st, inf, v, read)
         for value in _update_shapes(st, inf, v):
           v.shape = _merge(v.shape, value)
         v.shape = _merge(v.shape, _scatter_shape(st, inf, v))
+        for shape in exact.get(v.node, ()):
+          v.shape = _merge(v.shape, shape)
       except ValueError:
         v.shape = before  # contradicting evidence: leave it to the others
+      constant = constants.get(v.node)
+      if constant is not None and _compatible(v.shape, constant):
+        v.shape, v.source = constant, SOURCE_CONSTANT
+        progress = True
         continue
+      if constant is not None:
+        logging.info("gradient shape constant %s of variable '%s' contradicts %s; not used",
+                     constant, v.node, v.shape_text())
       if _full(v.shape):
         updates = _update_shapes(st, inf, v)
-        v.source = (SOURCE_UPDATE if any(_full(u) and u == v.shape for u in updates)
-                    else SOURCE_READER)
+        if any(_full(u) and u == v.shape for u in updates):
+          v.source = SOURCE_UPDATE
+        elif v.shape in exact.get(v.node, ()):
+          v.source = SOURCE_WRITTEN
+        else:
+          v.source = SOURCE_READER
+        progress = True
+      elif (not st.updated(v.node) and
+            _compatible(v.shape, ()) and _only_unit_fits(bounds.get(v.node))):
+        v.shape, v.source = (), SOURCE_SCALAR
         progress = True
       elif v.shape != before:
         progress = True
@@ -802,6 +967,16 @@ def _fixpoint(graph, st, inf, variables):
       candidates, read_partners = _operand_candidates(
           st, inf, v, owner.shape if owner is not None and owner.known else None)
       if not st.writers[v.node] and not st.appliers[v.node]:
+        if st.scatters[v.node]:
+          # Updated row by row only (the optimizer slot of a variable with a
+          # sparse gradient): the shape of the one variable whose update
+          # reads it, where the rows it is given agree with that.
+          shape = owner.shape if owner is not None and owner.known else None
+          if shape is not None and v.shape is not None and len(v.shape) == len(shape) and \
+              _compatible(v.shape, shape):
+            v.shape, v.source = shape, SOURCE_OPERAND
+            progress = True
+          continue
         if read_partners and all(s == () for s in read_partners) and _compatible(v.shape, ()):
           v.shape, v.source = (), SOURCE_SCALAR
           progress = True
@@ -990,7 +1165,8 @@ def _join(*parts):
 
 def _updated_from_gradient(graph, st, var):
   """Whether an update of `var` depends on a gradient op (data or control)."""
-  roots = [w.name for w, _ in st.writers[var.node]] + [n.name for n in st.appliers[var.node]]
+  roots = [w.name for w, _ in st.writers[var.node]] + [
+      n.name for n in st.appliers[var.node] + st.scatters[var.node]]
   if not roots:
     return False
   seen, queue = set(), collections.deque(roots)
@@ -1237,6 +1413,8 @@ def require_variable_shapes(graph_def, label="graph"):
         variables_lib.VAR_DTYPE_ATTR not in node.attr:
       name = (node.attr[variables_lib.VAR_NAME_ATTR].s.decode()
               if variables_lib.VAR_NAME_ATTR in node.attr else node.name)
-      missing.append(Recovered(node.name, name=name))
+      missing.append(Recovered(node.name, name=name, trainable=(
+          node.attr[variables_lib.VAR_TRAINABLE_ATTR].b
+          if variables_lib.VAR_TRAINABLE_ATTR in node.attr else None)))
   if missing:
     raise TfsplitError(missing_shapes_message(label, missing, total))
