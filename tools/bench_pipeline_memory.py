@@ -5,7 +5,7 @@ Splits the example's training step into S pipeline stages (`pp=S`) over m
 micro-batches and runs it with one stage per worker process: S TF gRPC
 servers on loopback (`/job:worker/task:i`, a subprocess of this script with
 --worker=i), driven by a Session from this process (which runs no server).
-All logical CPU devices of one process share one allocator (DESIGN fact 5),
+All logical CPU devices of one process share one allocator (docs/tf-facts.md, fact 4),
 so each worker reports its own allocator's statistics: the memory in use
 after `reset_memory_stats` (baseline: the stage's variables, optimizer slots)
 and the peak of the step. Activation memory = peak - baseline, the median
