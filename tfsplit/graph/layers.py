@@ -5,7 +5,8 @@ Roles come from the graph's structure, layers from name scopes:
   step), minus gradient ops;
 - *backward*: ops named `gradient_tape/<forward scope>/...` (TF2) or
   `gradients/<forward scope>/...` (TF1), plus unscoped ops fed only by them
-  (e.g. the AddN that sums a weight's gradients);
+  (e.g. the AddN that sums a weight's gradients) and a custom gradient's
+  unscoped ops (tf.nn.silu's), which read activations and feed the backward;
 - *update*: everything else: the optimizer's ops and variable writes.
 
 Layers are found by structure: the model's repeated blocks are sibling
@@ -233,6 +234,25 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       role[name] = UPDATE
   for name in var_nodes:  # handles are bookkeeping, not compute
     role[name] = FORWARD if name in forward_set else UPDATE
+  # A custom gradient's ops (tf.nn.silu's Sigmoid(x), Square(x), ...) take no
+  # gradient scope and read forward activations, so the rules above make them
+  # updates: what computes from activations, gradients and constants only
+  # and feeds the backward is part of it.
+  custom = set()
+  for name in order:
+    data_in = sources[name]
+    if role[name] == UPDATE and data_in and name not in var_nodes and \
+        not constants.is_write_op(op_of[name]) and op_of[name] != "IdentityN" and \
+        op_of[name] not in constants.VARIABLE_READ_OPS and all(
+            role.get(s) in (FORWARD, BACKWARD) or s in constant or s in custom
+            for s in data_in):
+      custom.add(name)
+  for name in reversed(order):
+    if name in custom and any(role.get(c) == BACKWARD and not nodes[c].input[i].startswith("^")
+                              for c, i in graph.consumers(name)):
+      role[name] = BACKWARD
+    else:
+      custom.discard(name)
 
   # 2. Layer scopes from forward reads of trainable variables.
   def is_trainable_handle(src):
@@ -333,6 +353,11 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
       keys = [layer_of.get(s) for s, _ in graph.data_inputs(name)
               if role.get(s) == BACKWARD and s in layer_of]
       key = keys[0] if keys else TOP_LAYER
+    elif name in custom:
+      # A custom gradient's op: the layer it differentiates, of its inputs.
+      keys = [layer_of[s] for s in sources[name] if s in layer_of and
+              role.get(s) in (BACKWARD, FORWARD) and layer_of[s] != TOP_LAYER]
+      key = keys[0] if keys else key
     get_layer(key)
     layer_of[name] = key
 
