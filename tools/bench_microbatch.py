@@ -41,7 +41,6 @@ import gc
 import os
 import re
 import sys
-import tempfile
 
 os.environ["TF_CPU_ALLOCATOR_USE_BFC"] = "true"  # before TensorFlow is imported
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -49,8 +48,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-from benchlib import (allocator_events, define_example_flags, print_result,  # pylint: disable=g-import-not-at-top,wrong-import-position
-                      run_script, step_memory)
+from benchlib import (buffers_at_peak, define_example_flags, memory_events,  # pylint: disable=g-import-not-at-top,wrong-import-position
+                      print_peak, print_result, run_script, step_memory)
 
 FLAGS = flags.FLAGS
 define_example_flags("small")
@@ -89,68 +88,28 @@ def _waits(graph_def, mesh, m):
   return len(waiting), mesh.size // m * (m - 1)
 
 
-def _memory_events(fn, inputs):
-  """Allocator events of one profiled call: [(time ps, kind, {stat: value})]."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  with tempfile.TemporaryDirectory() as logdir:
-    options = tf.profiler.experimental.ProfilerOptions(
-        host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
-    tf.profiler.experimental.start(logdir, options=options)
-    try:
-      float(fn(*inputs))
-    finally:
-      tf.profiler.experimental.stop()
-    return allocator_events(logdir)
-
-
 def _explain(fn, inputs, top):
   """Prints the allocations alive at the peak of one profiled step."""
-  events = _memory_events(fn, inputs)
-  if not events:
-    print("  (no allocator events in the profile)")
-    return
-  allocators = [ev[2].get("allocator_name") for ev in events]
-  allocator = max(set(allocators), key=allocators.count)
-  events = [ev for ev in events if ev[2].get("allocator_name") == allocator]
-  allocs = [i for i, ev in enumerate(events) if ev[1] == "MemoryAllocation"]
-  peak_at = max(allocs, key=lambda i: events[i][2].get("bytes_allocated", 0))
-  live, first_seen, last_seen = {}, {}, {}
-  t0 = events[0][0]
-  for i, (t, kind, st) in enumerate(events):
-    op = st.get("tf_op") or "?"
-    if kind == "MemoryAllocation":
-      m = _SHARD_RE.search(op)
-      if m:
-        k = int(m.group(1))
-        first_seen.setdefault(k, t)
-        last_seen[k] = t
-      if i <= peak_at:
-        live[st.get("addr")] = (st.get("allocation_bytes", 0), op, st.get("shape", ""),
-                                st.get("region_type", ""))
-    elif i <= peak_at:
-      live.pop(st.get("addr"), None)
-  peak_stats = events[peak_at][2]
-  in_use = peak_stats.get("bytes_allocated", 0)
-  traced = sum(b for b, _, _, _ in live.values())
-  print(f"  peak {in_use / _MIB:.2f} MiB in use while running "
-        f"{peak_stats.get('tf_op')}; {traced / _MIB:.2f} MiB of it allocated in the "
-        f"step ({len(live)} buffers), the rest before it (variables, inputs)")
-  by_shard = {}
-  for b, op, _, _ in live.values():
+  events = memory_events(fn, inputs)
+  peak, live = buffers_at_peak(events)
+  first_seen, last_seen = {}, {}
+  for t, kind, st in events:
+    m = _SHARD_RE.search(st.get("tf_op") or "?")
+    if kind == "MemoryAllocation" and m and \
+        st.get("allocator_name") == peak.get("allocator_name"):
+      first_seen.setdefault(int(m.group(1)), t)
+      last_seen[int(m.group(1))] = t
+
+  def shard_of(op):
     m = _SHARD_RE.search(op)
-    key = f"shard_{m.group(1)}" if m else "unsharded"
-    by_shard[key] = by_shard.get(key, 0) + b
-  print("  alive at peak by micro-batch copy: " + ", ".join(
-      f"{k} {v / _MIB:.2f} MiB" for k, v in sorted(by_shard.items())))
+    return f"shard_{m.group(1)}" if m else "unsharded"
+  print_peak(peak, live, top, shard_of, "micro-batch copy")
   if first_seen:
+    t0 = events[0][0]
     order = sorted(first_seen, key=first_seen.get)
     print("  micro-batch copies by first allocation (ms from step start, first-last): " +
           ", ".join(f"shard_{k} {(first_seen[k] - t0) / 1e9:.1f}-"
                     f"{(last_seen[k] - t0) / 1e9:.1f}" for k in order))
-  if top > 0:
-    print("  largest buffers alive at peak:")
-  for b, op, shape, region in sorted(live.values(), key=lambda x: -x[0])[:top]:
-    print(f"    {b / _MIB:8.3f} MiB  {op}  {shape} ({region})")
 
 
 def _measure_model(name, ms, device):

@@ -4,6 +4,7 @@ Importing it puts the repository root (tfsplit, uninstalled) and examples/
 (the example model zoo: `import models`) on sys.path, so every tool imports
 benchlib before tfsplit or models.
 """
+import collections
 import json
 import os
 import statistics
@@ -174,6 +175,67 @@ def allocator_events(logdir):
         events.append((line.timestamp_ns * 1000 + e.offset_ps, kind, stats))
   events.sort(key=lambda x: x[0])
   return events
+
+
+def memory_events(fn, inputs):
+  """Allocator events (allocator_events) of one profiled call fn(*inputs)."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as logdir:
+    options = tf.profiler.experimental.ProfilerOptions(
+        host_tracer_level=3, python_tracer_level=0, device_tracer_level=0)
+    tf.profiler.experimental.start(logdir, options=options)
+    try:
+      float(fn(*inputs))
+    finally:
+      tf.profiler.experimental.stop()
+    return allocator_events(logdir)
+
+
+def buffers_at_peak(events):
+  """(the peak's event stats, {address: (bytes, op, shape, region)} of the
+  buffers alive at it) of memory_events' events, on the allocator most of
+  them come from; (None, {}) without events. Buffers allocated before the
+  call (variables, inputs) are not among them."""
+  if not events:
+    return None, {}
+  allocators = [ev[2].get("allocator_name") for ev in events]
+  allocator = max(set(allocators), key=allocators.count)
+  events = [ev for ev in events if ev[2].get("allocator_name") == allocator]
+  allocs = [i for i, ev in enumerate(events) if ev[1] == "MemoryAllocation"]
+  peak_at = max(allocs, key=lambda i: events[i][2].get("bytes_allocated", 0))
+  live = {}
+  for _, kind, st in events[:peak_at + 1]:
+    if kind == "MemoryAllocation":
+      live[st.get("addr")] = (st.get("allocation_bytes", 0), st.get("tf_op") or "?",
+                              st.get("shape", ""), st.get("region_type", ""))
+    else:
+      live.pop(st.get("addr"), None)
+  return events[peak_at][2], live
+
+
+def print_peak(peak, live, top, group_of=None, what="group"):
+  """Prints buffers_at_peak's result: the peak, the bytes alive at it per
+  group_of(op) (when given) and its `top` largest buffers."""
+  mib = 2.0**20
+  if peak is None:
+    print("  (no allocator events in the profile)")
+    return
+  in_use = peak.get("bytes_allocated", 0)
+  traced = sum(b for b, _, _, _ in live.values())
+  print(f"  peak {in_use / mib:.2f} MiB in use while running {peak.get('tf_op')}; "
+        f"{traced / mib:.2f} MiB of it allocated in the step ({len(live)} buffers), the "
+        "rest before it (variables, inputs)")
+  if group_of is not None:
+    groups = collections.Counter()
+    for b, op, _, _ in live.values():
+      groups[group_of(op)] += b
+    print(f"  alive at peak by {what}: " + ", ".join(
+        f"{k} {v / mib:.2f} MiB" for k, v in sorted(groups.items())))
+  if top > 0:
+    print("  largest buffers alive at peak:")
+  for b, op, shape, region in sorted(live.values(), key=lambda x: -x[0])[:top]:
+    print(f"    {b / mib:8.3f} MiB  {op}  {shape} ({region})")
 
 
 def logical_devices(device_type, count, gpu_memory_mb=None):
