@@ -3,8 +3,10 @@ common hand rule.
 
 1. Planning time of a 96-block GPT (GPT-3 175B sizes: hidden 12288, 96
    heads, sequence 2048, global batch 1536) for 64 and 1024 H100-80GB
-   devices (targets: under 2 s and under 10 s; plans fit the device memory
-   less the default 10% reserve), best of --repeats. The
+   devices, and of a 128-block one (the 1T GPT of Narayanan et al. 2021:
+   hidden 25600, 160 heads, global batch 3072) for 3072 (targets: under
+   2 s, 10 s and 5 s; plans fit the device memory less the default 10%
+   reserve), best of --repeats. The
    model is the layer table of tfsplit.plan.profile.synthetic_gpt: the
    search never looks below layers, so it is the search's time.
    --graph-blocks B also traces a B-block GPT training graph of the example
@@ -106,6 +108,7 @@ MODELS = {
     "GPT 13B": dict(blocks=40, hidden=5120, heads=40, seq_len=2048, batch=512),
     "GPT 30B": dict(blocks=48, hidden=7168, heads=56, seq_len=2048, batch=1024),
     "GPT 175B": dict(blocks=96, hidden=12288, heads=96, seq_len=2048, batch=1536),
+    "GPT 1T": dict(blocks=128, hidden=25600, heads=160, seq_len=2048, batch=3072),
 }
 # (model, preset, devices)
 CASES = [("GPT 1.3B", "a100-80gb", 8), ("GPT 6.7B", "v100-16gb", 16),
@@ -128,11 +131,15 @@ def plan(profile, preset, devices):
   return planner, planner.search()
 
 
+# (model, devices, target seconds) of the planning-time part
+TIMING = [("GPT 175B", 64, 2.0), ("GPT 175B", 1024, 10.0), ("GPT 1T", 3072, 5.0)]
+
+
 def timing():
-  print("planning time, GPT 175B sizes (96 blocks, 98 layers), h100-80gb, 80 GB cap "
+  print("planning time, h100-80gb, 80 GB cap "
         f"({100 * DEFAULT_RESERVE:g}% kept in reserve):")
-  profile = model_on("GPT 175B", "h100-80gb")
-  for devices, target in ((64, 2.0), (1024, 10.0)):
+  for name, devices, target in TIMING:
+    profile = model_on(name, "h100-80gb")
     best = None
     for _ in range(FLAGS.repeats):
       t0 = time.perf_counter()
@@ -140,7 +147,8 @@ def timing():
       dt = time.perf_counter() - t0
       best = dt if best is None else min(best, dt)
     b = result.best
-    print(f"  {devices:5d} devices: {best:.2f} s (target < {target:g} s), "
+    print(f"  {name} ({MODELS[name]['blocks']} blocks), {devices:5d} devices: {best:.2f} s "
+          f"(target < {target:g} s), "
           f"{result.evaluated} candidates priced; best {b.label()}: step "
           f"{b.step_time:.3g} s, {format_bytes(b.memory)}/device, bubble "
           f"{100 * b.bubble:.1f}%")

@@ -21,11 +21,18 @@ candidate that does not fit the cap is tried again with its optimizer
 state offloaded to the host: offload is chosen only where it is needed to
 fit (it is never faster on its own).
 
-The program is vectorised over the layer ranges (numpy), and its cut is
-shared by the candidates that differ only in ZeRO and schedule; branch and
+The program (cuts.py) is vectorised over the layer ranges (numpy) and
+runs on a band of them: the ranges no slower than a balanced cut's slowest
+chunk, or short enough to fit the cap, which returns the cut the whole
+program returns; a cut under the cap whose stages' longest fitting ranges
+cannot cover the layers is refused before the program runs. Its cut is
+shared by the candidates that differ only in ZeRO and schedule, and the
+per-layer terms by those of one micro-batch size and tp group; branch and
 bound skips a candidate whose lower bounds (m micro-batches of the average
 stage; the average stage's memory) cannot rank or fit. Planning a 96-block
-model for 1024 devices so takes seconds, not a simulation per candidate.
+model for 1024 devices so takes about a second, and a 128-block one for
+3072 devices a few (tools/bench_planner.py), not a simulation per
+candidate.
 `exhaustive` tries every cut instead (tests hold the search to it), and
 `hand_rule` is the common manual plan the benchmarks compare with.
 """
@@ -38,7 +45,7 @@ from typing import List, Optional
 import numpy as np
 
 from tfsplit.errors import PlanError
-from tfsplit.plan import space
+from tfsplit.plan import cuts, space
 from tfsplit.units import format_bytes
 
 
@@ -61,63 +68,9 @@ class SearchResult:
     return usable_memory(self.device_memory, self.reserve)
 
 
-def _chunk_cost_matrix(fb, cut_t, n):
-  """C[j, i]: seconds of a chunk running layers [j, i), inf where i <= j."""
-  prefix = np.concatenate([[0.0], np.cumsum(fb)])
-  cin = np.concatenate([[0.0], cut_t, [0.0]])    # by cut index 0..n
-  cost = prefix[None, :] - prefix[:, None] + cin[:, None] + cin[None, :]
-  cost[np.tril_indices(n + 1)] = np.inf
-  return cost
-
-
-def _range_sums(values, n):
-  prefix = np.concatenate([[0.0], np.cumsum(values)])
-  return prefix[None, :] - prefix[:, None]
-
-
-def _threshold(cap, static, kept, again):
-  """Per range: the most micro-batches in flight that fit `cap`."""
-  room = cap - static - again
-  out = np.full(room.shape, np.inf)
-  np.divide(room, kept, out=out, where=kept > 0)
-  out[room < 0] = -1.0
-  return out
-
-
-def _range_max(values, n):
-  out = np.zeros((n + 1, n + 1))
-  for j in range(n):
-    out[j, j + 1:] = np.maximum.accumulate(values[j:])
-  return out
-
-
-def min_max_cut(cost, chunks, feasible=None):
-  """[(start, end)] of `chunks` contiguous ranges over cost's n layers that
-  minimise the largest cost[start, end]; cost may be a list, one matrix per
-  chunk; feasible[k] (optional): a boolean matrix of the ranges chunk k may
-  take. None when no cut is feasible."""
-  n = (cost[0] if isinstance(cost, list) else cost).shape[0] - 1
-  if chunks > n:
-    return None
-  best = np.full(n + 1, np.inf)
-  best[0] = 0.0
-  back = []
-  for k in range(chunks):
-    c = cost[k] if isinstance(cost, list) else cost
-    if feasible is not None:
-      c = np.where(feasible[k], c, np.inf)
-    total = np.maximum(best[:, None], c)
-    arg = np.argmin(total, axis=0)
-    best = total[arg, np.arange(n + 1)]
-    back.append(arg)
-  if not np.isfinite(best[n]):
-    return None
-  ranges, i = [], n
-  for k in reversed(range(chunks)):
-    j = int(back[k][i])
-    ranges.append((j, i))
-    i = j
-  return list(reversed(ranges))
+# The cut's dynamic program (cuts.py); the names tests and callers know.
+_chunk_cost_matrix = cuts.chunk_cost_matrix
+min_max_cut = cuts.min_max_cut
 
 
 # Kept free by default: the memory model counts weights, gradients,
@@ -180,17 +133,13 @@ class Planner(object):
     self.host_size = host_size if host_size is not None else _host_size(cluster)
     self.costing = space.Costing(profile, cluster, bucket_bytes, self.device_memory)
     self._cuts = {}
-    self._again = {}
+    self._blocks = None   # every repeated block (_all_replicated)
     self._work = {}
     self.evaluated = 0
     self.pruned = 0
 
   def meshes(self):
     return space.meshes(self.devices, self.profile, self.max_tp, self.host_size)
-
-  def _cost(self, c):
-    f, b = self.costing.layer_times(c)
-    return _chunk_cost_matrix(f + b, self.costing.cut_times(c), self.costing.n)
 
   def cut(self, c):
     """The fastest cut of candidate c, ignoring memory (shared by candidates
@@ -201,53 +150,35 @@ class Planner(object):
     key = (c.dp * c.microbatches, c.tp, c.pp, c.recompute, c.virtual_stages,
            self.costing.pipeline_link(c), c.replicate)
     if key not in self._cuts:
-      self._cuts[key] = min_max_cut(self._cost(c), c.chunks)
+      f, b = self.costing.layer_times(c)
+      self._cuts[key] = cuts.fastest_cut(f + b, self.costing.cut_times(c), c.chunks)
     return self._cuts[key]
-
-  def _memory_matrices(self, c, recompute):
-    """Per range [j, i): (static bytes, kept bytes per micro-batch in flight,
-    bytes of one recomputation)."""
-    n = self.costing.n
-    static, kept, again = self.costing.memory_terms(c, recompute)
-    key = (c.dp * c.microbatches, c.tp, recompute, c.replicate)
-    if key not in self._again:
-      self._again[key] = _range_max(again, n) if again.any() else 0.0
-    return (_range_sums(static, n) + self.profile.static_bytes, _range_sums(kept, n),
-            self._again[key])
 
   def cut_stages(self, c):
     """recompute='stages': the fastest cut when each stage recomputes its
     blocks only if it does not fit without (each stage's cost and memory
     follow its choice), or None."""
-    n = self.costing.n
-    cut_t = self.costing.cut_times(c)
-    counts = self.costing.in_flight(c)
+    # A range fits a stage keeping `count` micro-batches while count <= its
+    # threshold (room left by the static bytes over the bytes per micro-batch).
     options = []
     for rc in ("none", "blocks"):
       f, b = self.costing.layer_times(c, rc)
-      options.append((_chunk_cost_matrix(f + b, cut_t, n),) + self._memory_matrices(c, rc))
-    # A range fits a stage keeping `count` micro-batches while count <= its
-    # threshold (room left by the static bytes over the bytes per micro-batch).
-    (c_none, *none), (c_blk, *blocks) = options
-    t_none, t_blk = (_threshold(self.device_memory, *terms) for terms in (none, blocks))
-    per_stage = {}
-    for count in set(counts):
-      per_stage[count] = np.where(count <= t_none, c_none,
-                                  np.where(count <= t_blk, c_blk, np.inf))
-    return min_max_cut([per_stage[count] for count in counts], c.pp)
+      options.append((f + b, self.costing.memory_terms(c, rc)))
+    return cuts.stage_choice_cut(options, self.costing.cut_times(c),
+                                 self.profile.static_bytes, self.device_memory,
+                                 self.costing.in_flight(c))
 
   def cut_under_cap(self, c):
     """The fastest cut of c whose every stage fits the memory cap (stages of
     one chunk only), or None."""
-    counts = self.costing.in_flight(c)
     # Some stage holds at least the average: skip the program when even that
     # is over the cap.
     if self.memory_bound(c) > self.device_memory:
       return None
-    s_static, s_kept, s_again = self._memory_matrices(c, c.recompute)
-    feasible = [s_static + counts[k] * s_kept + s_again <= self.device_memory
-                for k in range(c.pp)]
-    return min_max_cut(self._cost(c), c.pp, feasible)
+    f, b = self.costing.layer_times(c)
+    return cuts.capped_cut(f + b, self.costing.cut_times(c), self.costing.memory_terms(c),
+                           self.profile.static_bytes, self.device_memory,
+                           self.costing.in_flight(c))
 
   def lower_bound(self, c):
     """Seconds c takes at least: m micro-batches of its average stage (each
@@ -263,8 +194,9 @@ class Planner(object):
     return c.microbatches * self._work[key] / c.pp
 
   def _all_replicated(self, c):
-    blocks = np.flatnonzero(self.costing.split)
-    return dataclasses.replace(c, replicate=tuple(int(i) for i in blocks))
+    if self._blocks is None:
+      self._blocks = tuple(int(i) for i in np.flatnonzero(self.costing.split))
+    return dataclasses.replace(c, replicate=self._blocks)
 
   def can_offload(self, c):
     """Whether c may be tried with its optimizer state offloaded."""
@@ -419,8 +351,7 @@ class Planner(object):
         if c.recompute == "stages":
           # Recomputing some stages fits only where recomputing every block
           # does (with the best cut under the cap).
-          base = dataclasses.replace(c, recompute="none")
-          if fit.get((base, "blocks")) is False:
+          if fit.get((_but_recompute(c), "blocks")) is False:
             self.pruned += 1
             continue
         # Branch and bound: the pipeline takes at least m micro-batches of the
@@ -435,7 +366,7 @@ class Planner(object):
           self.pruned += 1
           continue
         found = self.variants(c, kept[-1] if len(kept) >= 3 * top else None)
-        fit[(dataclasses.replace(c, recompute="none"), c.recompute)] = any(
+        fit[(_but_recompute(c), c.recompute)] = any(
             space.fits(est, self.device_memory) for est in found)
         for est in found:
           if smallest is None or est.memory < smallest.memory:
@@ -538,6 +469,12 @@ class Planner(object):
           if space.fits(est, self.device_memory):
             return est
     return None
+
+
+def _but_recompute(c):
+  """c's fields but its recomputation."""
+  return (c.dp, c.tp, c.pp, c.microbatches, c.schedule, c.virtual_stages, c.zero,
+          c.replicate, c.offload)
 
 
 def _rank(est):

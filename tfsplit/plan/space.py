@@ -253,6 +253,8 @@ class Costing(object):
     self.cuts = np.array([float(c) for c in profile.cuts])
     self._links = {}
     self._masks = {}
+    self._divisions = {}
+    self._flight = {}
     self._memo = {}   # per-layer terms of the candidates priced last
     kinds = {d.kind.upper() for d in cluster.devices}
     # A CPU device's host is itself: nothing to offload to.
@@ -278,7 +280,16 @@ class Costing(object):
     return self._masks[c.replicate]
 
   def tpdiv(self, c):
-    return np.where(self.tp_split(c), c.tp, 1)
+    return self._divided(c)[0]
+
+  def _divided(self, c):
+    """(tpdiv, params / tpdiv, upd / tpdiv) of c's tp size and replicated
+    blocks (callers never write into them)."""
+    key = _split_key(c)
+    if key not in self._divisions:
+      tpdiv = np.where(self.tp_split(c), c.tp, 1)
+      self._divisions[key] = (tpdiv, self.params / tpdiv, self.upd / tpdiv)
+    return self._divisions[key]
 
   # --- links (pp-major layout, tp fastest) ---------------------------------------
   def _link(self, kind, c):
@@ -301,8 +312,10 @@ class Costing(object):
     return self._link("pp", c)
 
   def _remember(self, key, compute):
-    """compute() once per key (exhaustive search prices one candidate over
-    many cuts); callers never write into the arrays returned."""
+    """compute() once per key: what decides the terms (exhaustive search
+    prices one candidate over many cuts, and the candidates of one
+    micro-batch size and tp group share them); callers never write into
+    the arrays returned."""
     if key not in self._memo:
       if len(self._memo) > 4096:
         self._memo.clear()
@@ -312,7 +325,8 @@ class Costing(object):
   def layer_times(self, c, recompute=None):
     """(F, B) per layer for one micro-batch of candidate c (numpy arrays);
     recompute: 'none' or 'blocks' instead of c's ('stages' prices as none)."""
-    return self._remember(("times", c, recompute),
+    blocks = (recompute or c.recompute) == "blocks"
+    return self._remember(("times", c.dp * c.microbatches, _split_key(c), blocks),
                           lambda: self._layer_times(c, recompute))
 
   def _layer_times(self, c, recompute):
@@ -334,7 +348,8 @@ class Costing(object):
 
   def cut_times(self, c):
     """Seconds per cut: the activations crossing it and their gradients."""
-    return self._remember(("cuts", c), lambda: self._cut_times(c))
+    return self._remember(("cuts", c.dp * c.microbatches, self._link("pp", c)),
+                          lambda: self._cut_times(c))
 
   def _cut_times(self, c):
     link = self._link("pp", c)
@@ -349,7 +364,9 @@ class Costing(object):
     """Per layer: (static bytes, activation bytes per micro-batch in flight,
     bytes of one recomputation) for candidate c; recompute: 'none' or
     'blocks' instead of c's ('stages' counts as blocks: the least it can keep)."""
-    return self._remember(("memory", c, recompute),
+    blocks = (recompute or c.recompute) in ("blocks", "stages")
+    return self._remember(("memory", c.dp * c.microbatches, _split_key(c), c.offload,
+                           c.dp if c.zero else 1, blocks),
                           lambda: self._memory_terms(c, recompute))
 
   def _memory_terms(self, c, recompute):
@@ -370,8 +387,11 @@ class Costing(object):
     """Live micro-batch activations per stage (chunk activations for interleaved)."""
     if c.pp == 1:
       return [1]
-    return theoretical_peak_activations(c.schedule, c.pp, c.microbatches,
-                                        c.virtual_stages)
+    key = (c.schedule, c.pp, c.microbatches, c.virtual_stages)
+    if key not in self._flight:
+      self._flight[key] = theoretical_peak_activations(c.schedule, c.pp, c.microbatches,
+                                                       c.virtual_stages)
+    return self._flight[key]
 
   def stage_recompute(self, c, ranges):
     """recompute='stages': per stage, whether it recomputes its blocks: only
@@ -416,9 +436,9 @@ class Costing(object):
       again = per_chunk(again, np.maximum)
     cin = np.concatenate([[0.0], self.cut_times(c), [0.0]])  # by cut index 0..n
     stage_cost = per_stage(fb + cin[starts] + cin[ends])
-    tpdiv = self.tpdiv(c)
-    stage_grads = per_stage(per_chunk(self.params / tpdiv))
-    stage_update = per_stage(per_chunk(self.upd / tpdiv))
+    _, params, upd = self._divided(c)
+    stage_grads = per_stage(per_chunk(params))
+    stage_update = per_stage(per_chunk(upd))
     if c.offload:  # gradients to the host, new weights back, the update there
       stage_vars = per_stage(per_chunk(self.variables))
       stage_update = (stage_update * self.host_update_scale + 2 * stage_grads /
@@ -443,11 +463,11 @@ class Costing(object):
               m * top * steady + (total - top) / v * fill)
     sync = 0.0
     if c.dp > 1:
+      # Per stage (an array): its gradients' all-reduce, one per bucket.
       link = self._link("dp", c)
-      for g in stage_grads:
-        buckets = max(1, math.ceil(g / self.bucket_bytes))
-        sync = max(sync, collectives.ring_all_reduce(c.dp, g, link) +
-                   2 * (c.dp - 1) * link.latency * (buckets - 1))
+      buckets = np.maximum(1.0, np.ceil(stage_grads / self.bucket_bytes))
+      sync = max(sync, float((collectives.ring_all_reduce(c.dp, stage_grads, link) +
+                              2 * (c.dp - 1) * link.latency * (buckets - 1)).max()))
     update = float(stage_update.max()) / (c.dp if c.zero else 1) + self.profile.other_update
     if self.profile.concurrency:
       update = max(update, self.shared_update_time(c))
@@ -483,7 +503,8 @@ class Costing(object):
     """(seconds, ops) of the update on one device group of c: every
     layer's update ops (1/tp of a split layer's work, 1/dp with ZeRO) and
     the update ops all layers share."""
-    return self._remember(("update", c), lambda: self._priced_update(c))
+    return self._remember(("update", _split_key(c), c.dp if c.zero else 1),
+                          lambda: self._priced_update(c))
 
   def _priced_update(self, c):
     tpdiv = self.tpdiv(c)
@@ -560,6 +581,11 @@ class Costing(object):
                       np.where(again & self.split, self.fwd_ops, 0.0)).sum()) + update_ops)
     compute = self.on_shared_cores(work, groups * ops * profile.op_gap, c.devices)
     return compute + launches + transfers * profile.transfer_overhead
+
+
+def _split_key(c):
+  """What of c decides which layers it splits over tp, and how far."""
+  return (c.tp, c.replicate) if c.tp > 1 else (1, ())
 
 
 def even_ranges(n, chunks):
