@@ -4,9 +4,10 @@ Each ```bash and ```python block of a page is one step of that page; a
 page's blocks run in order (a later block may use what an earlier one
 wrote), in a fresh temporary copy of the repository: the files git tracks
 plus the untracked ones it does not ignore, so nothing a block writes lands
-in the checkout. The copy's `.venv` is a link to the checkout's, and its
-`bin/` comes first on PATH, so `tfsplit` and `python` are the project's, as
-after `. .venv/bin/activate`. Bash blocks run with `bash -e -o pipefail`
+in the checkout. The copy's `.venv` is a link to the checkout's (or, without
+one, to the environment running the tests), and its `bin/` comes first on
+PATH, so `tfsplit` and `python` are the project's, as after
+`. .venv/bin/activate`. Bash blocks run with `bash -e -o pipefail`
 (every command must succeed); Python blocks are fed to `python -` with the
 copy as the working directory (as if pasted into `python` there).
 
@@ -42,7 +43,10 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VENV = os.path.join(ROOT, ".venv")
+# The environment the blocks run in: the checkout's .venv (as .ci/run makes
+# it), else the one running the tests.
+VENV = os.path.join(ROOT, ".venv") if os.path.isdir(os.path.join(ROOT, ".venv")) \
+    else sys.prefix
 FENCE = re.compile(r"^```(\w*)\s*$")
 MARKER = re.compile(r"^<!--\s*docs-test:\s*(ci|slow|skip)\b\s*(.*?)\s*-->\s*$")
 RUN_LANGUAGES = ("bash", "python")
@@ -125,6 +129,9 @@ def script(block):
 
 
 def run_blocks(page_blocks, cwd, timeout):
+  if not os.path.exists(os.path.join(VENV, "bin", "tfsplit")):
+    pytest.skip(f"no tfsplit command in {VENV}: install the project there "
+                "(pip install -e '.[test]')")
   env = dict(os.environ)
   env["PATH"] = os.path.join(cwd, ".venv", "bin") + os.pathsep + env.get("PATH", "")
   env["VIRTUAL_ENV"] = os.path.join(cwd, ".venv")
