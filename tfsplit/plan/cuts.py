@@ -201,7 +201,8 @@ def fit_counts(cap, static, kept, again, most):
   room = cap - static - again
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
     guess = np.floor(room / np.where(kept > 0, kept, 1.0))
-  guess = np.where(kept > 0, guess, most)
+  # Nothing kept per micro-batch: every count fits, or none does.
+  guess = np.where(kept > 0, guess, np.where(room >= 0, most, 0))
   counts = np.clip(np.nan_to_num(guess, nan=0.0, posinf=most, neginf=0.0), 0,
                    most).astype(np.int64)
   # The sum grows with the count (kept >= 0), so the exact entry is where
