@@ -22,12 +22,14 @@ def test_recompute_blocks_estimate_within_15_percent_of_allocator_peak():
   assert r["estimated_peak"] == pytest.approx(r["measured_peak"],
                                               rel=TOLERANCE), r
   assert r["estimated_without_pass"] > (1 + TOLERANCE) * r["measured_peak"], r
-  # The peak is in the last block's backward, and it holds what TF's
-  # executor leaves for the end of the step (the gradient reductions it
-  # queued under the backward chain, and their inputs): run in graph order
-  # instead, the same graph peaks 10-20% lower (0.80-0.90 of the measured
-  # peak), which is why the estimate follows the executor's order.
-  assert r["estimated_graph_order"] < 0.95 * r["estimated_peak"], r
+  # The estimate follows TF's executor's order, not the graph's: the
+  # executor leaves gradient reductions it queued under the backward chain
+  # for later. Each block's recomputation now waits for the later blocks'
+  # (memory/recompute.py: drains), so the orders differ less than they did
+  # (graph order 0.93 of the measured peak, was 0.80-0.90), but the
+  # executor's is still the closer one.
+  assert abs(r["estimated_peak"] - r["measured_peak"]) < \
+      abs(r["estimated_graph_order"] - r["measured_peak"]), r
 
 
 def test_zero1_estimate_within_15_percent_of_allocator_peak_and_state():
