@@ -235,6 +235,19 @@ def test_corpus_variables_recovered(name, tmp_path_factory):
   assert unknown == expected, sorted(truth[n][2] for n in unknown ^ expected)
 
 
+@pytest.mark.parametrize("name", ["bert_tfkeras", "vit_keras3"])
+def test_recorded_shapes_determine_every_variable(name, tmp_path):
+  """Written with `as_graph_def(add_shapes=True)`, each read records its
+  variable's shape: then the graph determines them all."""
+  ex = _util.example(name)
+  cf = ex.concrete("train")
+  tf.io.write_graph(cf.graph.as_graph_def(add_shapes=True), str(tmp_path), "train.pb",
+                    as_text=False)
+  truth = _truth(cf, zip(ex.variable_names(), ex.all_variables()))
+  assert _undetermined(name, truth)
+  assert _check_recovered(tmp_path / "train.pb", truth) == set()
+
+
 def _optimizer_variables(optimizer, keras3):
   if keras3:
     return [(v.path, common.tf_variable(v)) for v in optimizer.variables]
@@ -321,7 +334,7 @@ def test_undetermined_shapes_name_the_variables(tmp_path_factory, tmp_path, caps
   for weight in ("bert/pooler/kernel", "bert/pooler/bias", "bert/classifier/kernel",
                  "bert/classifier/bias"):
     assert weight in lines[0], lines[0]
-  assert "--variables PATH" in lines[0]
+  assert "--variables PATH" in lines[0] and "add_shapes=True" in lines[0]
   assert not out.exists() and not (tmp_path / "tp2.manifest.json").exists()
 
 

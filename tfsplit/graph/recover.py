@@ -17,6 +17,9 @@ of that shape, and in which variable updates are NoOps (Grappler would
 otherwise give an assigned value the shape of the variable it is assigned
 to, which would make any guess about that variable look right). Sources, in
 the order they are tried; the label is what `RecoveryReport.sources` counts:
+- *recorded read shape*: a graph written with `as_graph_def(add_shapes=True)`
+  keeps each op's static output shapes (`_output_shapes`); a ReadVariableOp's
+  is its variable's shape;
 - *gradient constant*: TF's gradient code folds a variable's static shape
   into constants: `gradient_tape/<ResourceGather>/Const` (the dense shape of
   the gather's IndexedSlices gradient), a `Shape*` Const colocated
@@ -162,6 +165,7 @@ SOURCE_READER = "reader"
 SOURCE_OPERAND = "operand"
 SOURCE_SCALAR = "scalar operand"
 SOURCE_CONSTANT = "gradient constant"
+SOURCE_RECORDED = "recorded read shape"
 SOURCE_WRITTEN = "written value"
 SOURCE_SAVED = "--variables"
 
@@ -223,8 +227,9 @@ def missing_shapes_message(label, missing, total):
   more = f" and {len(missing) - count} more" if len(missing) > count else ""
   return (f"{label}: {len(missing)} of {total} captured variables have no shape the "
           f"graph determines ({shown}{more}); pass --variables PATH (a checkpoint or "
-          "SavedModel holding them) to take shapes from there, or load the graph from "
-          "its tf.function (tfsplit.graph.load_graph(concrete_fn)) so tfsplit records them")
+          "SavedModel holding them) to take shapes from there, write the graph with its "
+          "shapes (concrete_fn.graph.as_graph_def(add_shapes=True)), or load it from its "
+          "tf.function (tfsplit.graph.load_graph(concrete_fn)) so tfsplit records them")
 
 
 # --- shapes --------------------------------------------------------------------------
@@ -443,6 +448,24 @@ def _variable_shape_constants(graph, st, targets=None):
   return {h: shapes[0] for h, shapes in found.items() if len(set(shapes)) == 1}
 
 
+def _recorded_shapes(st):
+  """{handle: shape} from its reads' `_output_shapes` (a graph written with
+  `as_graph_def(add_shapes=True)` records each op's static output shapes: a
+  ReadVariableOp's is its variable's), where they are full and agree."""
+  found = {}
+  for handle, reads in st.reads.items():
+    shapes = set()
+    for read in reads:
+      if read.op == "ReadVariableOp" and "_output_shapes" in read.attr and \
+          len(read.attr["_output_shapes"].list.shape) == 1:
+        shape = tensor_shape.TensorShape(read.attr["_output_shapes"].list.shape[0])
+        if shape.is_fully_defined():
+          shapes.add(tuple(shape.as_list()))
+    if len(shapes) == 1:
+      found[handle] = shapes.pop()
+  return found
+
+
 def _is_writer(node):
   return node.op in _FULL_VALUE_WRITERS or node.op.startswith(
       ("ResourceApply", "ResourceSparseApply", "ResourceScatter"))
@@ -538,9 +561,17 @@ def _fold_shape_arithmetic(graph):
   targets = [n for n, is_const in const.items() if not is_const]
   if not targets:
     return {}
+  needed, stack = set(), list(targets)
+  while stack:  # the constants the targets are computed from, not every one
+    name = stack.pop()
+    if name not in needed:
+      needed.add(name)
+      stack.extend(parse_input(t)[0] for t in graph.node(name).input if not t.startswith("^"))
   sub = graph_pb2.GraphDef()
   sub.versions.CopyFrom(graph.versions)
   for name in const:
+    if name not in needed:
+      continue
     node = sub.node.add()
     node.CopyFrom(graph.node(name))
     del node.input[:]
@@ -609,7 +640,12 @@ class _Structure(object):
     return bool(self.writers[handle] or self.appliers[handle] or self.scatters[handle])
 
   def update_readers(self):
-    """{handle: {handles whose updates read it}} (an optimizer slot: one)."""
+    """{handle: {handles whose updates read it}} (an optimizer slot: one).
+
+    The walk back from an update stops at gradient ops: what a gradient
+    reads is the model's forward pass, not the optimizer's state (and
+    walking it for every variable would be quadratic in the graph).
+    """
     if self._readers is not None:
       return self._readers
     readers = collections.defaultdict(set)
@@ -617,7 +653,12 @@ class _Structure(object):
       roots = [parse_input(value)[0] for _, value in self.writers[handle]]
       for node in self.appliers[handle] + self.scatters[handle]:
         roots.extend(parse_input(t)[0] for t in node.input[1:] if not t.startswith("^"))
-      for name in self.graph.data_ancestors(roots):
+      seen, stack = set(), roots
+      while stack:
+        name = stack.pop()
+        if name in seen:
+          continue
+        seen.add(name)
         node = self.graph.node(name)
         if node.op in _READ_OPS:
           src = parse_input(node.input[0])[0]
@@ -625,6 +666,8 @@ class _Structure(object):
             readers[src].add(handle)
         elif name != handle and name in self.users:
           readers[name].add(handle)  # a slot handle given to ResourceApply*
+        elif not GRADIENT_PREFIX.match(name):
+          stack.extend(src for src, _ in self.graph.data_inputs(name) if src not in seen)
     self._readers = readers
     return readers
 
@@ -893,6 +936,7 @@ def _fixpoint(graph, st, inf, variables):
   """Fills in var.shape / var.source as far as the graph determines them."""
   tried = collections.defaultdict(set)
   constants = _variable_shape_constants(graph, st, inf.shape_targets)
+  recorded = _recorded_shapes(st)
   owners = st.update_readers()
   by_node = {v.node: v for v in variables}
 
@@ -920,6 +964,10 @@ def _fixpoint(graph, st, inf, variables):
       if v.known:
         continue
       before = v.shape
+      if v.node in recorded:
+        v.shape, v.source = recorded[v.node], SOURCE_RECORDED
+        progress = True
+        continue
       try:
         for read in st.reads[v.node]:
           v.shape = _reader_shape(st, inf, v, read)
