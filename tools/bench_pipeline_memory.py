@@ -65,7 +65,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 from absl import app  # pylint: disable=g-import-not-at-top
 from absl import flags  # pylint: disable=g-import-not-at-top
 
-from benchlib import allocator_events, define_example_flags  # pylint: disable=g-import-not-at-top,wrong-import-position
+from benchlib import allocator_events, define_example_flags, live_at_peak  # pylint: disable=g-import-not-at-top,wrong-import-position
 from tfsplit.runtime import workers as workers_lib  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 FLAGS = flags.FLAGS
@@ -270,21 +270,11 @@ def _explain_stage(logdir, stage, roles, mesh, records):
   Allocated bytes are BFC chunk sizes: a chunk less than twice the request is
   not split, so a buffer may hold up to twice what its op asked for.
   """
-  events = allocator_events(logdir)
-  if not events:
+  peak, alive = live_at_peak(allocator_events(logdir))
+  if peak is None:
     return None
-  allocators = [ev[2].get("allocator_name") for ev in events]
-  allocator = max(set(allocators), key=allocators.count)
-  events = [ev for ev in events if ev[2].get("allocator_name") == allocator]
-  allocs = [i for i, ev in enumerate(events) if ev[1] == "MemoryAllocation"]
-  peak_at = max(allocs, key=lambda i: events[i][2].get("bytes_allocated", 0))
-  live = {}
-  for kind, st in ((ev[1], ev[2]) for ev in events[:peak_at + 1]):
-    if kind == "MemoryAllocation":
-      live[st.get("addr")] = (st.get("allocation_bytes", 0), st.get("requested_bytes", 0),
-                              st.get("tf_op") or "?", st.get("shape", ""))
-    else:
-      live.pop(st.get("addr"), None)
+  live = {addr: (st.get("allocation_bytes", 0), st.get("requested_bytes", 0),
+                 st.get("tf_op") or "?", st.get("shape", "")) for addr, st in alive.items()}
   groups, foreign = {}, 0
   for size, requested, op, _ in live.values():
     record = records.get(op.split(":")[0])  # the split's record of the op
@@ -301,10 +291,10 @@ def _explain_stage(logdir, stage, roles, mesh, records):
     total[1] += requested
   forward = {k[1]: v[1] for k, v in groups.items() if k[0] == "F"}
   big = max(forward.values(), default=0)
-  return {"peak": events[peak_at][2].get("bytes_allocated", 0),
+  return {"peak": peak.get("bytes_allocated", 0),
           "allocated": sum(v[0] for v in live.values()),
           "requested": sum(v[1] for v in live.values()),
-          "op": events[peak_at][2].get("tf_op"), "groups": groups, "foreign": foreign,
+          "op": peak.get("tf_op"), "groups": groups, "foreign": foreign,
           # Micro-batches with forward activations alive (ignoring small
           # leftovers such as a tensor received from the previous stage).
           "alive": sorted(j for j, b in forward.items() if b >= 0.25 * big),

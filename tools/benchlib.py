@@ -192,11 +192,10 @@ def memory_events(fn, inputs):
     return allocator_events(logdir)
 
 
-def buffers_at_peak(events):
-  """(the peak's event stats, {address: (bytes, op, shape, region)} of the
-  buffers alive at it) of memory_events' events, on the allocator most of
-  them come from; (None, {}) without events. Buffers allocated before the
-  call (variables, inputs) are not among them."""
+def live_at_peak(events):
+  """(the peak's event stats, {address: its allocation's stats} of the
+  buffers alive at it) of allocator events, on the allocator most of them
+  come from; (None, {}) without events."""
   if not events:
     return None, {}
   allocators = [ev[2].get("allocator_name") for ev in events]
@@ -207,11 +206,20 @@ def buffers_at_peak(events):
   live = {}
   for _, kind, st in events[:peak_at + 1]:
     if kind == "MemoryAllocation":
-      live[st.get("addr")] = (st.get("allocation_bytes", 0), st.get("tf_op") or "?",
-                              st.get("shape", ""), st.get("region_type", ""))
+      live[st.get("addr")] = st
     else:
       live.pop(st.get("addr"), None)
   return events[peak_at][2], live
+
+
+def buffers_at_peak(events):
+  """(the peak's event stats, {address: (bytes, op, shape, region)} of the
+  buffers alive at it) of memory_events' events (live_at_peak). Buffers
+  allocated before the call (variables, inputs) are not among them."""
+  peak, live = live_at_peak(events)
+  return peak, {addr: (st.get("allocation_bytes", 0), st.get("tf_op") or "?",
+                       st.get("shape", ""), st.get("region_type", ""))
+                for addr, st in live.items()}
 
 
 def print_peak(peak, live, top, group_of=None, what="group"):
