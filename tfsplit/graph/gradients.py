@@ -25,6 +25,7 @@ from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
+from tensorflow.python.framework import dtypes
 from tensorflow.python.framework import tensor_util
 
 from tfsplit.graph.ir import Graph, parse_input
@@ -46,22 +47,16 @@ def rowwise_gradients(graph, shapes):
         found.append(match)
   if not found:
     return graph.graph_def, 0
-  before, replaced = {}, {}
-  for scatter, topk, values_grad, reshapes in found:
-    for reshape in reshapes:
-      before[reshape.name] = _rowwise_nodes(reshape, topk, values_grad, shapes)
-      replaced[reshape.name] = before[reshape.name].pop()
+  # Each replaced Reshape's new nodes, its replacement last (same name).
+  rowwise = {reshape.name: _rowwise_nodes(reshape, topk, values_grad, shapes)
+             for _, topk, values_grad, reshapes in found for reshape in reshapes}
   out = graph_pb2.GraphDef()
   out.versions.CopyFrom(graph.graph_def.versions)
   out.library.CopyFrom(graph.graph_def.library)
   for node in graph.graph_def.node:
-    if node.name in replaced:
-      out.node.extend(before[node.name])  # the new inputs come first
-      out.node.append(replaced[node.name])
-    else:
-      out.node.append(node)
+    out.node.extend(rowwise.get(node.name, [node]))  # new inputs before their reader
   new = Graph(out)
-  new.remove_nodes(_dead_ancestors(new, [s.name for s, _, _, _ in found]))
+  new.remove_nodes(_dead_ancestors(new, [scatter.name for scatter, _, _, _ in found]))
   return new.graph_def, len(found)
 
 
@@ -131,7 +126,7 @@ def _rowwise_nodes(reshape, topk, values_grad, shapes):
   def const(name, value, dt):
     return add(name, "Const", [], dtype=attr_value_pb2.AttrValue(type=dt),
                value=attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
-                   np.asarray(value, dtype=_numpy(dt)))))
+                   np.asarray(value, dtype=dtypes.as_dtype(dt).as_numpy_dtype))))
 
   t = attr_value_pb2.AttrValue(type=dtype)
   i32 = attr_value_pb2.AttrValue(type=types_pb2.DT_INT32)
@@ -148,11 +143,6 @@ def _rowwise_nodes(reshape, topk, values_grad, shapes):
       T=t, Tidx=i32, keep_dims=attr_value_pb2.AttrValue(b=False))
   nodes[-1].input.extend(i for i in reshape.input if i.startswith("^"))
   return nodes
-
-
-def _numpy(dtype):
-  from tensorflow.python.framework import dtypes  # pylint: disable=import-outside-toplevel
-  return dtypes.as_dtype(dtype).as_numpy_dtype
 
 
 def _dead_ancestors(graph, roots):

@@ -217,7 +217,11 @@ def check_microbatch_independence(state):
   analysis, out = state.analysis, state.materialized
   per_microbatch = {r.source for r in out.records.values()
                     if not r.shared and r.device_id is not None}
-  work = (constants.FORWARD, constants.BACKWARD)
+  # A micro-batch's forward and backward ops; the step's outputs are made
+  # whole after every micro-batch.
+  work = {n for n in per_microbatch
+          if analysis.roles.get(n) in (constants.FORWARD, constants.BACKWARD)}
+  work -= set(graph_outputs(analysis.graph))
   fallbacks = {f.node: f for f in state.propagation.fallbacks}
   checked = set()
   for record in out.collectives:
@@ -229,7 +233,7 @@ def check_microbatch_independence(state):
       continue  # the step's output, made whole after every micro-batch
     checked.add(record.tensor)
     whole = "sum" if record.kind == "local_sum" else "whole batch"
-    coupled = _microbatch_work_after(analysis, record.tensor, per_microbatch, work)
+    coupled = _microbatch_work_after(analysis.graph, record.tensor, per_microbatch, work)
     if coupled is None:
       continue
     reader, first, last = coupled
@@ -266,20 +270,17 @@ def check_microbatch_independence(state):
         f"{needs}; {fix}")
 
 
-def _microbatch_work_after(analysis, tensor, per_microbatch, work):
+def _microbatch_work_after(graph, tensor, per_microbatch, work):
   """(micro-batch op, first whole-batch op, last whole-batch op) of the
   first forward or backward op of a micro-batch that `tensor`'s gathered
   value reaches through ops that run once on the whole batch (the first
   reads the gathered value, the micro-batch op reads the last); the
   whole-batch ops are None where a micro-batch op reads the value itself.
   None if it reaches no micro-batch's work (only outputs and updates)."""
-  graph, roles = analysis.graph, analysis.roles
-  # The step's outputs are made whole after every micro-batch.
-  work_nodes = {n for n in per_microbatch if roles.get(n) in work} - set(graph_outputs(graph))
   name, port = parse_input(tensor)
   start = [c for c, _ in graph.consumers(name, port)]
   for consumer in start:
-    if consumer in work_nodes:
+    if consumer in work:
       return consumer, None, None
   seen, stack = set(), [(c, c) for c in start if c not in per_microbatch]
   while stack:
@@ -289,7 +290,7 @@ def _microbatch_work_after(analysis, tensor, per_microbatch, work):
     seen.add(node)
     for consumer, _ in graph.consumers(node):
       if consumer in per_microbatch:
-        if consumer in work_nodes:
+        if consumer in work:
           return consumer, first, node
       elif consumer not in seen:
         stack.append((consumer, first))
