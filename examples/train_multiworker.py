@@ -1,11 +1,14 @@
 """Train the GPT example split across worker processes, with checkpoints.
 
+    tfsplit launch --workers 2 --each -- python examples/train_multiworker.py --mesh dp=2 --steps 3 --compare
     tfsplit launch --workers 2 -- python examples/train_multiworker.py --mesh dp=2 --steps 3 --compare
 
-Under `tfsplit launch` (or any TF_CONFIG naming a cluster) tfsplit.split
-places the mesh on the worker tasks (dp and pp across tasks, tp within one)
-and this process drives them; without TF_CONFIG it runs on this process's
-logical CPU devices. Step i trains on the batch seeded with --seed + i, so a
+With --each every worker runs this script: TF_CONFIG names its task, and
+tfsplit.split builds and runs that task's part of the split alone, on its
+share of each global batch (step.local_batch), returning the global loss.
+Without --each (any TF_CONFIG naming a cluster but no task of it) this
+process drives every task as one client. Without TF_CONFIG it runs on this
+process's logical CPU devices. Step i trains on the batch seeded with --seed + i, so a
 run resumed from a checkpoint sees the same data as an uninterrupted one.
 
 --checkpoint-dir: every --save-every steps the shards (one file per device)
@@ -79,14 +82,19 @@ def main(argv):
     losses = []
     for i in range(first, FLAGS.steps):
       t1 = time.time()
-      loss = float(np.asarray(step(*ex.make_inputs("train", seed=FLAGS.seed + i))))
+      # Each worker's share of the global batch when every worker runs this
+      # script (as a tf.data pipeline sharded by task gives it); else the batch.
+      inputs = step.local_batch(*ex.make_inputs("train", seed=FLAGS.seed + i))
+      loss = float(np.asarray(step(*inputs)))
       losses.append(loss)
       print(f"step {i + 1} loss {loss:.6f} ({1e3 * (time.time() - t1):.1f} ms)", flush=True)
       if FLAGS.checkpoint_dir and (i + 1) % FLAGS.save_every == 0:
         step.save(FLAGS.checkpoint_dir, i + 1)
       if FLAGS.step_delay:
         time.sleep(FLAGS.step_delay)
-    final = step.full_values()
+    per_task = step.task is not None
+    # Every worker running the script holds its own task's shards only.
+    final = step.shard_values() if per_task else step.full_values()
     if FLAGS.output:
       np.savez(FLAGS.output, **{f"var:{k}": v for k, v in final.items()},
                losses=np.asarray(losses, np.float64),
@@ -117,9 +125,24 @@ def main(argv):
       checks = [compare.compare("output", f"step {i + 1} loss", g, w, 1e-4,
                                 compare.noise(w, a))
                 for i, (g, w, a) in enumerate(zip(losses, want, alt))]
-      checks += [compare.compare("value", n, final[n], want_values[n], 1e-4,
-                                 compare.noise(want_values[n], alt_values[n]))
-                 for n in want_values]
+      if per_task:  # this task's shards against the same blocks of the reference
+        from tfsplit.runtime import shards  # pylint: disable=import-outside-toplevel
+        own = {n: e for n, e in step.manifest.items()
+               if any(s["name"] in final for s in e["shards"])}
+        want_shards = shards.shard_values(own, want_values)
+        alt_shards = shards.shard_values(own, {n: want_values[n] if alt_values[n] is None
+                                               else alt_values[n] for n in own})
+        for n, entry in sorted(own.items()):
+          scale = float(np.abs(want_values[n]).max()) if want_values[n].size else 0.0
+          checks += [compare.compare("value", s["name"], final[s["name"]],
+                                     want_shards[s["name"]], 1e-4,
+                                     compare.noise(want_shards[s["name"]],
+                                                   alt_shards[s["name"]]), scale=scale)
+                     for s in entry["shards"] if s["name"] in final]
+      else:
+        checks += [compare.compare("value", n, final[n], want_values[n], 1e-4,
+                                   compare.noise(want_values[n], alt_values[n]))
+                   for n in want_values]
       bad = [c for c in checks if not c.ok]
       share = lambda c: c.max_abs / c.tolerance if c.tolerance else float(c.max_abs > 0)
       worst = max(checks, key=share)
@@ -130,8 +153,9 @@ def main(argv):
         print(f"MISMATCH: {bad[0].what} error {bad[0].rel:.3e} of its scale",
               file=sys.stderr)
         return 1
-      print(f"OK: {len(checks)} comparisons (loss of every step, every parameter) "
-            "within 1e-4 of the one-device run")
+      where = f" on task {step.task}" if per_task else ""
+      print(f"OK: {len(checks)} comparisons (loss of every step, every parameter"
+            f"{' shard' if per_task else ''}){where} within 1e-4 of the one-device run")
     return 0
   except TfsplitError as e:
     print(f"train_multiworker: error: {e}", file=sys.stderr, flush=True)

@@ -54,6 +54,9 @@ class SplitConfig:
     compute only from them and the gradients live on each device's host CPU
     (memory/offload.py); offload_device names one host for every device
     instead (default: CPU:0 of the device's own task).
+  task: None (the graph of the whole mesh), or the index of the cluster task
+    whose part alone is written (sharding/tasks.py): its nodes, the edges to
+    other tasks made broadcasts, its inputs its share of the batch.
   """
   mesh: object
   strategy: Optional[str] = "megatron"
@@ -70,6 +73,7 @@ class SplitConfig:
   zero: int = 0
   offload: Optional[str] = None
   offload_device: Optional[str] = None
+  task: Optional[int] = None
 
   def __post_init__(self):
     recompute_lib.parse(self.recompute)

@@ -20,6 +20,7 @@ class SplitResult:
   schedule_edges: int = 0                        # control edges a schedule added
   offload: object = None                         # memory.offload.OffloadPlan, or None
   offloaded_nodes: int = 0                       # split-graph nodes moved to a host
+  task: object = None                            # sharding.tasks.TaskPart, or None
 
   def count(self, kind, axis=None):
     return sum(1 for c in self.collectives

@@ -34,6 +34,8 @@ offload_optimizer       offload= only: optimizer slots and their update ops
                         on each device's host CPU (memory/offload.py)
 lean_constants          device copies of constants nothing reads removed,
                         identical constants on one device made one
+extract_task            task= only: the nodes of one cluster task, edges to
+                        other tasks made broadcasts (sharding/tasks.py)
 check_acyclic           the result can run
 """
 import dataclasses
@@ -62,6 +64,7 @@ from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.sharding import buckets as buckets_lib
+from tfsplit.sharding import tasks as tasks_lib
 from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.materialize import materialize
@@ -94,6 +97,7 @@ class SplitState:
   # lean_constants' finding: every input of the result names an earlier node
   # (None: not known)
   inputs_come_first: Optional[bool] = None
+  task_part: object = None  # extract_task's sharding.tasks.TaskPart, or None
 
 
 # --- passes ----------------------------------------------------------------------
@@ -432,6 +436,57 @@ def lean_constants(state):
   state.inputs_come_first = ordered
 
 
+def extract_task(state):
+  """One task's part of the whole-mesh graph (config.task; sharding/tasks.py)."""
+  task = state.config.task
+  if task is None:
+    return
+  analysis, out, prop, mesh = state.analysis, state.materialized, state.propagation, state.mesh
+  inputs = {}
+  for name in graph_inputs(analysis.graph):
+    specs = prop.outputs.get(name)
+    inputs[name] = (analysis.shapes[name][0].shape, specs[0] if specs else None)
+  shares = tasks_lib.input_shares(inputs, mesh, task)
+
+  def tensor_type(name, port):
+    """(dtype, local shape) of a node's output that another task reads: the
+    local copy of an original op, or found by TF's shape inference."""
+    record = out.records.get(name)
+    if record is not None and record.device_id is not None and \
+        name == builder_lib.local_name(record.source, record.device_id):
+      info = analysis.shapes[record.source][port]
+      outs = prop.outputs.get(record.source) or []
+      spec = outs[port] if port < len(outs) else None
+      if info.shape is not None:
+        shape = list(info.shape) if spec is None else \
+            spec.local_shape(info.shape, mesh, f"tensor '{name}:{port}'")
+        return info.dtype, shape
+    if not imported:
+      imported.append(_imported(out.graph_def))
+    t = imported[0].get_tensor_by_name(f"{name}:{port}")
+    return t.dtype.as_datatype_enum, (t.shape.as_list() if t.shape.rank is not None
+                                      else None)
+
+  imported = []   # the whole graph in TF, for shapes no record gives
+
+  graph_def, part = tasks_lib.task_graph(
+      out.graph_def, task, shares, graph_outputs(analysis.graph), out.output_copies,
+      tensor_type, state.config.timeout_seconds)
+  out.graph_def = graph_def
+  out.records = {n.name: out.records[n.name] for n in graph_def.node if n.name in out.records}
+  state.task_part = part
+  state.inputs_come_first = None
+
+
+def _imported(graph_def):
+  """`graph_def` imported into a tf.Graph (TF's shape inference over it)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  graph = tf.Graph()
+  with graph.as_default():
+    tf.graph_util.import_graph_def(graph_def, name="")
+  return graph
+
+
 def check_acyclic(state):
   if state.inputs_come_first or (state.inputs_come_first is None and
                                  inputs_come_first(state.materialized.graph_def)):
@@ -446,7 +501,7 @@ def check_acyclic(state):
 PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
           shard_optimizer_state, assign_stages, plan_offload, materialize_devices,
           check_microbatch_independence, order_work, bucket_gradients, offload_optimizer,
-          lean_constants, check_acyclic)
+          lean_constants, extract_task, check_acyclic)
 
 
 @without_gc
@@ -467,19 +522,19 @@ def run_passes(graph_def, config):
   return SplitResult(out.graph_def, out.manifest, out.collectives, prop.fallbacks, var_specs,
                      out.output_copies, out.records, config, state.mesh, state.partition,
                      state.stage_of, state.schedule_edges, state.offload,
-                     state.offloaded_nodes)
+                     state.offloaded_nodes, state.task_part)
 
 
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
                 layer_ranges=None, balance="cost", virtual_stages=1,
                 bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0,
-                offload=None, offload_device=None):
+                offload=None, offload_device=None, task=None):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
                        layer_ranges, timeout_seconds, axis, balance, virtual_stages,
                        bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
-                       offload=offload, offload_device=offload_device)
+                       offload=offload, offload_device=offload_device, task=task)
   return run_passes(graph_def, config)
 
 

@@ -20,6 +20,7 @@ from tfsplit.graph.io import load_graph
 from tfsplit.graph.ir import without_gc
 from tfsplit.runtime import checkpoint as checkpoint_lib
 from tfsplit.runtime import cluster as cluster_lib
+from tfsplit.runtime import multi_client
 from tfsplit.runtime import shards as shards_lib
 from tfsplit.runtime.graph_function import import_graph, traced_call
 from tfsplit.layout.mesh import Mesh
@@ -114,12 +115,19 @@ class SplitFunction(object):
       self.mesh = cluster_mesh or make_mesh(mesh)
     if self.cluster is not None and timeout_seconds is None:
       timeout_seconds = cluster_lib.DEFAULT_TIMEOUT_SECONDS
+    # TF_CONFIG naming this process's task: every worker runs the script and
+    # this one builds and runs its own task's part (runtime/multi_client.py).
+    self.task = multi_client.own_task(self.cluster)
+    if self.task is not None:
+      multi_client.check_tasks(self.mesh, self.cluster)
+      multi_client.local_server(self.cluster)  # peers can reach it while we split
     self.result = split_graph(self.original_graph_def, self.mesh, strategy=strategy,
                               annotations=annotations, timeout_seconds=timeout_seconds,
                               microbatches=microbatches, schedule=schedule,
                               layer_ranges=layer_ranges, virtual_stages=virtual_stages,
                               bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
-                              offload=offload, offload_device=offload_device)
+                              offload=offload, offload_device=offload_device,
+                              task=self.task)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -127,7 +135,14 @@ class SplitFunction(object):
       # The same model traced for another input shape or kind of step (a
       # smaller last batch, evaluation): it runs on the first split's shards.
       shards_lib.check_same_layout(self.manifest, shares_with.manifest)
-    if self.cluster is not None:
+    if self.task is not None:
+      self.variables, self._fn = None, None
+      own = multi_client.task_shards(self.manifest, self.task)
+      self._runner = multi_client.TaskRunner(
+          self.graph_def, None if shares_with is not None
+          else shards_lib.shard_values(own, values), self.cluster, timeout_seconds,
+          multi_client.plan_fingerprint(self.original_graph_def, self.result.config))
+    elif self.cluster is not None:
       self.variables, self._fn = None, None
       # Shared shards already live in the workers' containers: no new values.
       self._runner = cluster_lib.ClusterRunner(
@@ -142,6 +157,22 @@ class SplitFunction(object):
       self.variables = shards_lib.create_shard_variables(self.manifest, values)
       self._fn = import_graph(self.graph_def, self.variables)
     self._structured_outputs = concrete.structured_outputs
+
+  @property
+  def task_inputs(self):
+    """{input: {"begin", "shape", "global_shape"}}: the share of each input
+    this task's step takes (None when one client runs every task)."""
+    return self.result.task.inputs if self.result.task is not None else None
+
+  def local_batch(self, *inputs):
+    """This task's share of a global batch (every input, in order): what a
+    tf.data pipeline sharded by task gives each worker. One client: as given."""
+    if self.result.task is None:
+      return inputs
+    shares = list(self.result.task.inputs.values())
+    return tuple(np.asarray(x)[tuple(slice(b, b + n) for b, n in
+                                     zip(share["begin"], share["shape"]))]
+                 for x, share in zip(inputs, shares))
 
   def __call__(self, *args):
     if self._runner is not None:  # on a cluster: numpy outputs
@@ -179,14 +210,21 @@ class SplitFunction(object):
     return (outputs[0] if len(outputs) == 1 else outputs), events
 
   def shard_values(self):
-    """{shard name: numpy value}, every device's copy (see self.manifest)."""
+    """{shard name: numpy value}, every device's copy (see self.manifest); when
+    every worker runs the script, the copies on this worker's task."""
     if self._runner is not None:
+      manifest = self.manifest if self.task is None else \
+          multi_client.task_shards(self.manifest, self.task)
       return self._runner.variable_values(
-          [s["name"] for e in self.manifest.values() for s in e["shards"]])
+          [s["name"] for e in manifest.values() for s in e["shards"]])
     return {k: v.numpy() for k, v in self.variables.items()}
 
   def full_values(self):
     """{variable name: numpy value} assembled from the shards."""
+    if self.task is not None:
+      raise PlanError("each worker holds only its task's shards (shard_values()); the "
+                      "full values are the checkpoint's (save(), then "
+                      "tfsplit.runtime.shards.full_values_from_checkpoint)")
     return shards_lib.full_values(self.manifest, self.shard_values())
 
   def assign_back(self):

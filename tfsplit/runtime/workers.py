@@ -448,3 +448,82 @@ def launch(command, num_workers, devices_per_worker=1, kind="CPU", start_timeout
       group.stop(stop_grace)
       for sig, handler in previous.items():
         signal.signal(sig, handler)
+
+
+def launch_each(command, num_workers, devices_per_worker=1, kind="CPU",
+                stop_grace=STOP_GRACE_SECONDS, log=None):
+  """Runs `command` (argv) in `num_workers` processes, each a worker task of
+  one cluster on free loopback ports with its own TF_CONFIG naming its task
+  (every worker runs the same script, as multi-worker jobs do; the command
+  serves its task itself, see runtime/multi_client.py).
+
+  Returns 0 if every worker exited 0, else the exit code of the first that
+  did not (128 + n for signal n). A worker that fails does not stop the
+  others: they end on their own, within their collective timeout, naming it.
+  Signals to this process are passed on to every worker's process group;
+  whatever is left of them is stopped before returning."""
+  log = log or sys.stderr
+  kind = kind.upper()
+  spec = cluster_spec(free_ports(num_workers))
+  procs, received, previous = [], [], {}
+
+  def on_signal(signum, _frame):
+    received.append(signum)
+    for p in procs:
+      _signal_group(p.pid, signum)
+
+  try:
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+      try:
+        previous[sig] = signal.signal(sig, on_signal)
+      except ValueError:  # not the main thread
+        pass
+    log.write(f"tfsplit launch: {num_workers} worker(s) on {', '.join(spec[JOB])} "
+              f"({devices_per_worker} {kind} each), each running the command\n")
+    log.flush()
+    for i in range(num_workers):
+      env = dict(os.environ)
+      env["TF_CONFIG"] = tf_config(spec, devices_per_worker, kind, i)
+      env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+      if kind == "GPU":
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(
+            str(i * devices_per_worker + j) for j in range(devices_per_worker))
+      try:
+        procs.append(subprocess.Popen(command, env=env, preexec_fn=_chief_preexec))  # pylint: disable=consider-using-with
+      except OSError as e:
+        from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+        raise TfsplitError(f"cannot run {command[0]}: {e.strerror or e}") from None
+    if received:
+      on_signal(received[-1], None)
+    first_failure = None
+    while any(p.poll() is None for p in procs):
+      for i, p in enumerate(procs):
+        code = p.poll()
+        if code not in (0, None) and first_failure is None:
+          first_failure = code
+          log.write(f"tfsplit launch: worker task {i} ({spec[JOB][i]}) exited with "
+                    f"code {code}\n")
+          log.flush()
+      time.sleep(0.2)
+    codes = [p.returncode for p in procs]
+    if first_failure is None:
+      first_failure = next((c for c in codes if c != 0), 0)
+    return 128 - first_failure if first_failure < 0 else first_failure
+  finally:
+    try:
+      for p in procs:
+        if p.poll() is None:
+          _signal_group(p.pid, signal.SIGTERM)
+      deadline = time.time() + stop_grace
+      for p in procs:
+        try:
+          p.wait(timeout=max(0.1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+          _signal_group(p.pid, signal.SIGKILL)
+          p.wait(timeout=stop_grace)
+      for p in procs:  # leftovers of each worker's process group
+        if _group_alive(p.pid):
+          _signal_group(p.pid, signal.SIGKILL)
+    finally:
+      for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -1,4 +1,5 @@
-"""NodeDefs for TF's collective ops (all-reduce, reduce-scatter, gather, all-to-all).
+"""NodeDefs for TF's collective ops (all-reduce, reduce-scatter, gather, all-to-all,
+broadcast).
 
 Templates are taken from TF itself once (so every required attr has its
 current default), then filled in with names, devices, inputs and keys.
@@ -36,6 +37,14 @@ def _template(op):
       getattr(tf.raw_ops, op)(input=x, group_size=2, group_key=1, instance_key=1,
                               ordering_token=[], communication_hint="auto",
                               timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+    elif op == "CollectiveBcastSendV2":
+      tf.raw_ops.CollectiveBcastSendV2(input=x, group_size=2, group_key=1, instance_key=1,
+                                       communication_hint="auto",
+                                       timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
+    elif op == "CollectiveBcastRecvV2":
+      tf.raw_ops.CollectiveBcastRecvV2(group_size=2, group_key=1, instance_key=1, shape=[2],
+                                       T=tf.float32, communication_hint="auto",
+                                       timeout_seconds=DEFAULT_TIMEOUT_SECONDS)
     else:
       raise ValueError(op)
     node = next(n for n in g.as_graph_def().node if n.op == op)
@@ -53,7 +62,8 @@ def communication_hint(device):
 
 
 def collective_node(op, name, device, inputs, dtype_enum, timeout_seconds=None):
-  """A collective NodeDef; `inputs` = [tensor, group_size, group_key, instance_key]."""
+  """A collective NodeDef; `inputs` = [tensor, group_size, group_key, instance_key]
+  (a broadcast's receiver: [group_size, group_key, instance_key, shape])."""
   node = node_def_pb2.NodeDef()
   node.ParseFromString(_template(op))
   node.name = name
