@@ -44,7 +44,9 @@ flags.DEFINE_integer("save_every", 1, "Steps between checkpoints.")
 flags.DEFINE_float("step_delay", 0.0, "Seconds to sleep after each step (tests kill a "
                    "worker between steps).")
 flags.DEFINE_boolean("compare", False, "Compare with the unsplit step on this CPU.")
-flags.DEFINE_string("output", None, "Write the losses and final full values (.npz).")
+flags.DEFINE_string("output", None, "Write the losses and final full values (.npz; "
+                    "when every worker runs the script, each its task's shards to "
+                    "OUTPUT.task<k>.npz).")
 
 
 def main(argv):
@@ -96,7 +98,10 @@ def main(argv):
     # Every worker running the script holds its own task's shards only.
     final = step.shard_values() if per_task else step.full_values()
     if FLAGS.output:
-      np.savez(FLAGS.output, **{f"var:{k}": v for k, v in final.items()},
+      # One file per worker when each holds its own shards: OUTPUT.task<k>.npz.
+      output = FLAGS.output if not per_task else \
+          f"{os.path.splitext(FLAGS.output)[0]}.task{step.task}.npz"
+      np.savez(output, **{f"var:{k}": v for k, v in final.items()},
                losses=np.asarray(losses, np.float64),
                first=np.asarray(first))
     if FLAGS.compare:

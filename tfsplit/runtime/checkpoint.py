@@ -5,6 +5,12 @@
                                      and which file holds which shard
     DIR/ckpt-00000003/shards-<device>.npz   that device's shards
 
+When every worker runs the script, each task writes its own part
+(`save_task`: its devices' files under ckpt-*/task-<k>/, renamed into place
+whole) and task 0 the manifest, which lists the parts; the checkpoint is
+complete, and named in DIR/checkpoint by the task that completes it, once
+every part is there.
+
 A checkpoint is written into a temporary directory beside its final name,
 fsynced and renamed into place, and only then named in DIR/checkpoint
 (atomically): a crash at any moment leaves the previous checkpoint the
@@ -22,6 +28,7 @@ import numpy as np
 
 from tfsplit.errors import TfsplitError
 from tfsplit.fileio import write_atomically
+from tfsplit.sharding.tasks import task_of
 
 POINTER = "checkpoint"
 MANIFEST = "manifest.json"
@@ -59,19 +66,7 @@ def save(directory, manifest, shard_values, step, mesh=None, keep=2):
   final = os.path.join(directory, name)
   tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
   try:
-    by_device, files = {}, {}
-    for entry in manifest.values():
-      for shard in entry["shards"]:
-        by_device.setdefault(shard["device"], []).append(shard["name"])
-    for device, names in sorted(by_device.items()):
-      fname = _device_file(device)
-      arrays = {f"s{i}": np.asarray(shard_values[n]) for i, n in enumerate(names)}
-      with open(os.path.join(tmp, fname), "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-      for i, n in enumerate(names):
-        files[n] = [fname, f"s{i}"]
+    files = _write_device_files(tmp, _by_device(manifest), shard_values)
     meta = {"format": FORMAT, "step": int(step), "mesh": mesh, "variables": manifest,
             "files": files}
     with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
@@ -86,14 +81,18 @@ def save(directory, manifest, shard_values, step, mesh=None, keep=2):
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  write_atomically(os.path.join(directory, POINTER), json.dumps({"latest": name}) + "\n")
-  if keep:
-    done = sorted(d for d in os.listdir(directory)
-                  if d.startswith("ckpt-") and os.path.isdir(os.path.join(directory, d)))
-    for old in done[:-keep]:
-      if old != name:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+  _name_latest(directory, name, keep)
   return final
+
+
+def _complete(path):
+  """Whether the checkpoint at `path` has its manifest and every part."""
+  try:
+    with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
+      parts = json.load(f).get("parts") or []
+  except (OSError, ValueError, AttributeError):
+    return False
+  return all(os.path.isdir(os.path.join(path, p)) for p in parts)
 
 
 def latest(directory):
@@ -104,7 +103,76 @@ def latest(directory):
   except (OSError, ValueError, KeyError, TypeError):
     return None
   path = os.path.join(directory, name)
-  return path if os.path.exists(os.path.join(path, MANIFEST)) else None
+  return path if _complete(path) else None
+
+
+def _by_device(manifest):
+  by_device = {}
+  for entry in manifest.values():
+    for shard in entry["shards"]:
+      by_device.setdefault(shard["device"], []).append(shard["name"])
+  return by_device
+
+
+def _write_device_files(where, by_device, shard_values, prefix=""):
+  """Each device's shards into `where`; {shard: [file, key]} (file under prefix)."""
+  files = {}
+  for device, names in sorted(by_device.items()):
+    fname = _device_file(device)
+    if shard_values is not None:
+      arrays = {f"s{i}": np.asarray(shard_values[n]) for i, n in enumerate(names)}
+      with open(os.path.join(where, fname), "wb") as f:
+        np.savez(f, **arrays)
+        f.flush()
+        os.fsync(f.fileno())
+    for i, n in enumerate(names):
+      files[n] = [prefix + fname, f"s{i}"]
+  return files
+
+
+def _name_latest(directory, name, keep):
+  write_atomically(os.path.join(directory, POINTER), json.dumps({"latest": name}) + "\n")
+  if keep:
+    done = sorted(d for d in os.listdir(directory)
+                  if d.startswith("ckpt-") and os.path.isdir(os.path.join(directory, d)))
+    for old in done[:-keep]:
+      if old != name:
+        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+
+
+def save_task(directory, manifest, shard_values, step, task, mesh=None, keep=2):
+  """Task `task`'s part of DIR/ckpt-<step> (its devices' shards from
+  `shard_values`), written by that task alone; task 0 also writes the
+  manifest of every part. Returns the checkpoint's path."""
+  final = os.path.join(directory, f"ckpt-{int(step):08d}")
+  os.makedirs(final, exist_ok=True)
+  by_device = _by_device(manifest)
+  tasks = sorted({task_of(d) for d in by_device})
+  part = os.path.join(final, f"task-{task}")
+  tmp = tempfile.mkdtemp(prefix=f".task-{task}.", dir=final)
+  try:
+    _write_device_files(tmp, {d: n for d, n in by_device.items() if task_of(d) == task},
+                        shard_values)
+    _fsync_dir(tmp)
+    if os.path.exists(part):
+      shutil.rmtree(part)
+    os.rename(tmp, part)
+    if task == tasks[0]:
+      files = {}
+      for t in tasks:
+        files.update(_write_device_files(
+            None, {d: n for d, n in by_device.items() if task_of(d) == t}, None,
+            f"task-{t}/"))
+      meta = {"format": FORMAT, "step": int(step), "mesh": mesh, "variables": manifest,
+              "files": files, "parts": [f"task-{t}" for t in tasks]}
+      write_atomically(os.path.join(final, MANIFEST), json.dumps(meta, sort_keys=True))
+    _fsync_dir(final)
+  except BaseException:
+    shutil.rmtree(tmp, ignore_errors=True)
+    raise
+  if _complete(final):   # the last part written names it
+    _name_latest(directory, os.path.basename(final), keep)
+  return final
 
 
 def load(path):

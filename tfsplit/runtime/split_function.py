@@ -183,9 +183,14 @@ class SplitFunction(object):
 
   def save(self, directory, step, keep=2):
     """Checkpoints every shard (one file per device) and the manifest into
-    DIR/ckpt-<step>, atomically; returns its path (runtime/checkpoint.py)."""
-    return checkpoint_lib.save(directory, self.manifest, self.shard_values(), step,
-                               {"axes": self.mesh.axes, "devices": self.mesh.devices}, keep)
+    DIR/ckpt-<step>, atomically; returns its path (runtime/checkpoint.py).
+    When every worker runs the script, each writes its own task's part."""
+    mesh = {"axes": self.mesh.axes, "devices": self.mesh.devices}
+    if self.task is not None:
+      return checkpoint_lib.save_task(directory, self.manifest, self.shard_values(), step,
+                                      self.task, mesh, keep)
+    return checkpoint_lib.save(directory, self.manifest, self.shard_values(), step, mesh,
+                               keep)
 
   def restore(self, directory):
     """Loads the latest checkpoint in `directory` (or a ckpt-* path) into the
