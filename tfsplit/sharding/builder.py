@@ -22,9 +22,11 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
 from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.ir import delete_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,11 +54,13 @@ def stamp_records(graph_def, records):
       node.attr[SHARED_ATTR].b = True
 
 
-def _stamp(node, source, device_id):
-  """stamp_records for one node as it is added (its `shared` comes later)."""
+def _stamp(node, source, device_id, shared=False):
+  """stamp_records for one node as it is added (`shared` may come later)."""
   if device_id is not None:
     node.attr[SOURCE_ATTR].s = source.encode()
     node.attr[DEVICE_ID_ATTR].i = device_id
+    if shared:
+      node.attr[SHARED_ATTR].b = True
 
 
 def read_records(graph_def):
@@ -152,26 +156,61 @@ class DeviceGraph(object):
   """A GraphDef being built: unique names, per-node records."""
 
   def __init__(self, versions, library):
-    self.graph_def = graph_pb2.GraphDef()
-    self.graph_def.versions.CopyFrom(versions)
-    self.graph_def.library.CopyFrom(library)
-    self.names = set()
-    self.created = {}   # name -> the NodeDef in graph_def
-    self.records = {}   # name -> NodeRecord
+    graph_def = graph_pb2.GraphDef()
+    graph_def.versions.CopyFrom(versions)
+    graph_def.library.CopyFrom(library)
+    self._attach(graph_def, {})
+
+  @classmethod
+  def extending(cls, graph_def, records):
+    """A DeviceGraph adding to `graph_def` in place (a pass after
+    materialization): its nodes' names are taken and its nodes are in
+    `created`; records of new nodes go into `records`, the graph's own."""
+    builder = cls.__new__(cls)
+    builder._attach(graph_def, records)
+    return builder
+
+  def _attach(self, graph_def, records):
+    self.graph_def = graph_def
+    self.created = {n.name: n for n in graph_def.node}   # name -> the NodeDef in graph_def
+    self.names = set(self.created)
+    self.records = records   # name -> NodeRecord
 
   def unique(self, base):
     return unique_name(self.names, base)
 
-  def add(self, node, source=None, device_id=None):
-    """Adds a copy of `node`; records it as made for `source` on `device_id`."""
+  def add(self, node, source=None, device_id=None, shared=False):
+    """Adds a copy of `node`; records it as made for `source` on `device_id`
+    (serving every micro-batch if `shared`)."""
     self.names.add(node.name)
     added = self.graph_def.node.add()
     added.CopyFrom(node)
     self.created[node.name] = added
     if source is not None:
-      self.records[node.name] = NodeRecord(source, device_id)
-      _stamp(added, source, device_id)
+      self.records[node.name] = NodeRecord(source, device_id, shared)
+      _stamp(added, source, device_id, shared)
     return added
+
+  def op(self, base, op, device, inputs, attrs, source=None, device_id=None, shared=False):
+    """Name of a new `op` node named after `base` over `inputs`, recorded as
+    `add` does; `attrs` in order: {name: a DType, a bool or an int}."""
+    node = node_def_pb2.NodeDef(name=self.unique(base), op=op, device=device, input=inputs)
+    for name, value in attrs.items():
+      if isinstance(value, tf.DType):
+        node.attr[name].type = value.as_datatype_enum
+      elif isinstance(value, bool):
+        node.attr[name].b = value
+      else:
+        node.attr[name].i = value
+    return self.add(node, source, device_id, shared).name
+
+  def remove(self, names):
+    """Deletes the nodes named in the set `names`, and their records."""
+    delete_positions(self.graph_def, [i for i, n in enumerate(self.graph_def.node)
+                                      if n.name in names])
+    for name in names:
+      self.created.pop(name, None)
+      self.records.pop(name, None)
 
   def add_copy(self, node, name, device, source, device_id):
     """Adds a copy of `node` named `name` on `device`, recorded as made for
@@ -201,6 +240,20 @@ class DeviceGraph(object):
     node = const_node(self.unique(base), np.asarray(value, np.int32), device)
     self.add(node)
     return node.name
+
+  def int_val_const(self, base, value, device):
+    """Name of a new int32 Const on `device` (a scalar or a list), its values
+    written as int_val, without make_tensor_proto: the same tensor to TF as
+    int_const's, in the form gradient buckets write (a few per member)."""
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Const", device=device)
+    node.attr["dtype"].type = types_pb2.DT_INT32
+    proto = node.attr["value"].tensor
+    proto.dtype = types_pb2.DT_INT32
+    values = [int(v) for v in np.atleast_1d(value)]
+    if np.ndim(value):
+      proto.tensor_shape.dim.add().size = len(values)
+    proto.int_val.extend(values)
+    return self.add(node).name
 
   def _shaping(self, op, index_attr, x, operand, base, device, dtype):
     """`op`(x, int32 Const operand): a Transpose or a Reshape."""

@@ -49,10 +49,11 @@ class CollectiveRecord:
   tensor: str        # the original tensor it moves
   consumer: str      # the op that required it first
   num_elements: int  # global elements of the tensor
-  # Reduce-scatters and all-gathers, per member device id: (the collective
-  # node, the node giving its result along dimension 0), and the collective's
-  # local input shape (the split dimension moved to the front): what gradient
-  # buckets repack (sharding/buckets.py).
+  # What gradient buckets repack (sharding/buckets.py), none for bools: per
+  # member device id, (the collective node, the node giving its result), of
+  # every all-reduce, and of each reduce-scatter and all-gather whose local
+  # input shape (the split dimension moved to the front; the result along
+  # dimension 0) is known and recorded with them.
   units: Optional[Dict[int, Tuple[str, str]]] = None
   unit_shape: Optional[Tuple[int, ...]] = None
 
@@ -209,8 +210,9 @@ class Resharder(object):
                   record=True, finish=None, unit_shape=None):
     """One `op` member per device (pre/post: local reshapes around it;
     finish: local ops completing the collective's result, before post).
-    unit_shape: the collective's local input shape, recorded with its
-    members (CollectiveRecord.units) so buckets can repack it."""
+    unit_shape: the collective's local input shape; with it (and for every
+    all-reduce) the members are recorded (CollectiveRecord.units) so
+    buckets can repack them."""
     src, port, consumer = what
     keys, out, units = {}, [None] * self.mesh.size, {}
     for d in ids:
@@ -241,10 +243,12 @@ class Resharder(object):
       y = post(y, base, device) if post else y
       self._note_shared(current, d, y)
       out[d] = y
-    bucketable = unit_shape is not None and info.dtype != types_pb2.DT_BOOL and units
+    shape = tuple(unit_shape) if unit_shape is not None else None
+    bucketable = (shape is not None or kind == "all_reduce") and \
+        info.dtype != types_pb2.DT_BOOL and units
     self.collectives.append(CollectiveRecord(
         kind, axis, tensor(src, port), consumer, info.num_elements or 0,
-        units if bucketable else None, tuple(unit_shape) if bucketable else None))
+        units if bucketable else None, shape if bucketable else None))
     return out
 
   def _all_reduce(self, current, ids, info, axis, what):
