@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import numpy as np
 import pytest
