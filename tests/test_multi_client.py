@@ -254,3 +254,30 @@ def test_dead_worker_ends_the_others_and_resume_is_exact(tmp_path):
       assert np.array_equal(full[n], resumed[n]), n
     first = int(resumed["first"])
     assert np.array_equal(full["losses"][first:], resumed["losses"])
+
+
+@pytest.mark.parametrize("axes,per_task,options", [
+    ({"dp": 2}, 1, {}), ({"dp": 2, "tp": 2}, 2, {"microbatches": 2}),
+    ({"dp": 2}, 1, {"zero": 2, "microbatches": 2}), ({"dp": 4}, 2, {})])
+def test_one_task_materialized_alone_is_the_cut_of_the_whole(axes, per_task, options,
+                                                             monkeypatch):
+  """Without a pipeline axis across tasks only the task's devices are made:
+  the same nodes as the task's cut of the whole-mesh graph, and every task's
+  collectives carry the same instance keys in the same order."""
+  from tfsplit.passes import split as split_pass  # pylint: disable=import-outside-toplevel
+  original = load_graph(TINY)
+  tasks = int(np.prod(list(axes.values()))) // per_task
+  mesh = _mesh(axes, tasks, per_task)
+  alone = [split_graph(original, mesh, timeout_seconds=30, task=k, **options)
+           for k in range(tasks)]
+  monkeypatch.setattr(split_pass, "_task_devices", lambda state: None)
+  cut = [split_graph(original, mesh, timeout_seconds=30, task=k, **options)
+         for k in range(tasks)]
+  keys = []
+  for a, c in zip(alone, cut):
+    assert sorted(n.name for n in a.graph_def.node) == sorted(n.name for n in c.graph_def.node)
+    assert a.manifest == c.manifest
+    nodes = {n.name: n for n in a.graph_def.node}
+    keys.append([(n.op, _const(nodes, n.input[1]), _const(nodes, n.input[3]))
+                 for n in a.graph_def.node if n.op.startswith("Collective")])
+  assert keys[0] and all(k == keys[0] for k in keys)

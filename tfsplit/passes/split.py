@@ -191,12 +191,17 @@ def assign_stages(state):
 
 
 def materialize_devices(state):
+  """One copy of each op per device (sharding/materialize.py); with task=
+  and no pipeline stage boundary between tasks, only that task's devices
+  (nothing but collectives crosses tasks then, and every task makes its
+  collectives, and their keys, in the same order)."""
   analysis = state.analysis
   state.materialized = materialize(analysis.graph, analysis.shapes, state.mesh,
                                    state.propagation, analysis.variables,
                                    state.config.timeout_seconds, state.stage_of,
                                    scatter_microbatches=state.config.zero >= 2,
-                                   moved=state.offload.nodes if state.offload else ())
+                                   moved=state.offload.nodes if state.offload else (),
+                                   only=_task_devices(state))
   if state.zero is not None:
     zero_lib.annotate_manifest(state.materialized.manifest, state.zero, analysis.variables)
 
@@ -476,6 +481,24 @@ def extract_task(state):
   out.records = {n.name: out.records[n.name] for n in graph_def.node if n.name in out.records}
   state.task_part = part
   state.inputs_come_first = None
+
+
+def _task_devices(state):
+  """The device ids of config.task when it alone may be materialized (no
+  pipeline axis across tasks), else None (the whole mesh, then cut)."""
+  task, mesh = state.config.task, state.mesh
+  if task is None:
+    return None
+  ids = [d for d in range(mesh.size) if tasks_lib.task_of(mesh.devices[d]) == task]
+  if not ids:
+    raise PlanError(f"task {task} holds no device of mesh {mesh}; run as many workers "
+                    "as the mesh needs, or a larger mesh")
+  pp = constants.PIPELINE_AXIS
+  if mesh.axes.get(pp, 1) > 1 and any(
+      len({tasks_lib.task_of(mesh.devices[m]) for m in members}) > 1
+      for members in mesh.groups(pp)):
+    return None
+  return ids
 
 
 def _imported(graph_def):

@@ -31,7 +31,7 @@ class BucketWriter(object):
   def emit(self, bucket, key, base):
     emit_on = {"all_reduce": self.emit_on, "reduce_scatter": self.emit_scatter_on,
                "all_gather": self.emit_gather_on}[bucket[0].kind]
-    for d in bucket[0].group:
+    for d in bucket[0].here:
       emit_on(d, bucket, key, f"{base}/shard_{d}")
 
   def _collective(self, first, inputs, name):

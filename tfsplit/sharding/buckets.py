@@ -61,6 +61,7 @@ class _Instance:
   it."""
   axis: str
   group: Tuple[int, ...]           # member logical device ids
+  here: Tuple[int, ...]            # those materialized (one task's, or all)
   group_key: int
   key: int                         # instance key
   nodes: dict                      # device id -> collective node name
@@ -162,18 +163,20 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
       group_key, key = _int_const(nodes, node.input[2]), _int_const(nodes, node.input[3])
       if group_key is not None and key is not None:
         by_key[(record.kind, group_key, key)].append((d, coll, result, record))
-  groups = {a: {tuple(m) for m in mesh.groups(a)} for a in data_axes}
   position = _positions(analysis.graph)
   candidates = []
   for (kind, group_key, key), members in sorted(by_key.items(), key=lambda kv: kv[0]):
     members.sort(key=lambda m: m[0])
-    group = tuple(d for d, _, _, _ in members)
+    here = tuple(d for d, _, _, _ in members)
     record = members[0][3]
-    axis, n = record.axis, len(group)
+    axis = record.axis
+    # The whole group, of which one task's graph holds its own members only.
+    group = tuple(mesh.group_of(here[0], axis)[1])
+    n = len(group)
     source, port = parse_input(record.tensor)
     first = nodes[members[0][1]]
-    if group not in groups[axis] or len(set(group)) != n or \
-        any(m[3] is not record for m in members) or \
+    if here != tuple(d for d in group if out.only is None or d in out.only) or \
+        len(set(here)) != len(here) or any(m[3] is not record for m in members) or \
         _int_const(nodes, first.input[1]) != n or source not in position or \
         analysis.roles.get(source) not in (constants.BACKWARD, constants.UPDATE) or \
         not all(_feeds_update(result, nodes, consumers) for _, _, result, _ in members):
@@ -194,7 +197,7 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
       if kind == "reduce_scatter" and shape[0] % n:
         continue
     candidates.append(_Instance(
-        axis, group, group_key, key, {d: c for d, c, _, _ in members}, source,
+        axis, group, here, group_key, key, {d: c for d, c, _, _ in members}, source,
         record.tensor, shape, dtype, attrs, position[source], record.num_elements,
         kind, {d: r for d, _, r, _ in members}))
   return _independent(candidates, nodes, consumers)

@@ -13,7 +13,7 @@ a device's copies of constants with the same value are one node.
 """
 import dataclasses
 import zlib
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
@@ -45,15 +45,16 @@ class Materialized:
   output_copies: Dict[str, list]   # output -> [[device, local tensor]]
   records: Dict[str, object]       # local node -> builder.NodeRecord
   local_sums: List[dict]           # per running gradient sum: {device id: member}
+  only: Optional[frozenset] = None  # the device ids made (one task's), None: all
 
 
 class _Materializer(object):
 
   def __init__(self, graph, shapes, mesh, propagation, variables, timeout, stage_of,
-               scatter_microbatches=False, moved=frozenset()):
+               scatter_microbatches=False, moved=frozenset(), only=None):
     self.graph, self.shapes, self.mesh, self.prop = graph, shapes, mesh, propagation
     self.variables = {v.node: v for v in variables}
-    self.place = Placement(mesh, stage_of)
+    self.place = Placement(mesh, stage_of, only)
     self.b = DeviceGraph(graph.versions, graph.library)
     # TF caches a collective's shape per (group, instance) key: the same graph
     # split two ways must not reuse keys, so the plan is in the seed.
@@ -113,15 +114,17 @@ class _Materializer(object):
     spec = self.prop.variable_specs.get(node.name) or Sharding.replicated(len(info.shape))
     local_shape = spec.local_shape(info.shape, self.mesh, f"variable '{info.name}'")
     shards = []
-    for d in self.place.ids_for(node.name):
+    made = set(self.place.ids_for(node.name))
+    for d in self.place.all_ids_for(node.name):  # the manifest names every task's
       if self.r.rep(d) != d:  # micro-batches share their device's variables
         self.alias[(node.name, d)] = self.lname(node.name, self.r.rep(d))
         continue
       shard_name = shard_variable_name(info.name, d)
-      new = shard_variable_node(node, local_name(node.name, d), self.mesh.devices[d],
-                                shard_name, local_shape)
-      self.b.add(new, node.name, d)
-      self.b.mark_shared(new.name)
+      if d in made:
+        new = shard_variable_node(node, local_name(node.name, d), self.mesh.devices[d],
+                                  shard_name, local_shape)
+        self.b.add(new, node.name, d)
+        self.b.mark_shared(new.name)
       shards.append({"name": shard_name, "device": self.mesh.devices[d], "device_id": d,
                      "offsets": list(spec.offsets(info.shape, self.mesh, d,
                                                   f"variable '{info.name}'")),
@@ -237,7 +240,8 @@ class _Materializer(object):
       target.input.extend(sorted(extra - set(target.input)))
 
   def output(self, name):
-    """The original output name, on device 0, whole, after every device's copy."""
+    """The original output name, on device 0 (the first materialized one),
+    whole, after every device's copy."""
     node, info = self.graph.node(name), self.shapes[name][0]
     whole = Sharding.replicated(len(info.shape)) if info.shape is not None else None
     local, spec = self.source(name, 0, name)
@@ -252,9 +256,11 @@ class _Materializer(object):
                                 for d, t in sorted((d, t) for t, d in seen.items())]
     # Control inputs from every device's copy: a collective member that no
     # fetched node depends on is pruned, and its peers would wait forever.
-    out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[0],
-                               input=[local[0]] + ["^" + parse_input(t)[0] for t in
-                                                   sorted(set(local[1:]) - {local[0]})])
+    ids = range(self.mesh.size) if self.place.only is None else sorted(self.place.only)
+    copies = [local[d] for d in ids]
+    out = node_def_pb2.NodeDef(name=name, op="Identity", device=self.mesh.devices[ids[0]],
+                               input=[copies[0]] + ["^" + parse_input(t)[0] for t in
+                                                    sorted(set(copies[1:]) - {copies[0]})])
     out.attr["T"].type = info.dtype
     if variables_lib.OUTPUT_INDEX_ATTR in node.attr:
       out.attr[variables_lib.OUTPUT_INDEX_ATTR].CopyFrom(
@@ -274,17 +280,20 @@ class _Materializer(object):
     for name in graph_outputs(self.graph):
       self.output(name)
     return Materialized(self.b.graph_def, self.manifest, self.r.collectives,
-                        self.output_copies, self.b.records, self.r.local_sums)
+                        self.output_copies, self.b.records, self.r.local_sums,
+                        self.place.only)
 
 
 def materialize(graph, shapes, mesh, propagation, variables, timeout_seconds=None,
-                stage_of=None, scatter_microbatches=False, moved=frozenset()):
+                stage_of=None, scatter_microbatches=False, moved=frozenset(), only=None):
   """Materialized per-device graph of `graph` under `propagation` (see module doc).
 
   scatter_microbatches: a partial sum over micro-batches and a real axis
   wanted split over that axis is reduce-scattered per micro-batch, then
   summed as blocks (ZeRO stage 2; see sharding/reshard.py).
   moved: original nodes a later pass moves off their device (offload); their
-  constants are not merged with the others."""
+  constants are not merged with the others.
+  only: the device ids to make copies on (one task's part, when no edge but
+  collectives crosses tasks; the manifest still lists every shard)."""
   return _Materializer(graph, shapes, mesh, propagation, variables, timeout_seconds,
-                       stage_of, scatter_microbatches, moved).run()
+                       stage_of, scatter_microbatches, moved, only).run()

@@ -11,8 +11,10 @@ class Placement(object):
   stage c % S, so with one chunk per stage chunk and stage agree.
   """
 
-  def __init__(self, mesh, stage_of=None):
+  def __init__(self, mesh, stage_of=None, only=None):
+    """only: the device ids to materialize (one task's), None for all."""
     self.mesh = mesh
+    self.only = None if only is None else frozenset(only)
     self.pp = constants.PIPELINE_AXIS if stage_of is not None else None
     self.stage_of = stage_of or {}
     self.stages = mesh.axes.get(constants.PIPELINE_AXIS, 1)
@@ -26,8 +28,13 @@ class Placement(object):
       return d
     return self.mesh.device_id({**self.mesh.coords(d), self.pp: stage})
 
-  def ids_for(self, name):
-    """Devices holding a copy of node `name`."""
+  def all_ids_for(self, name):
+    """Devices holding a copy of node `name`, on every task."""
     stage = self.stage(name)
     return [d for d in range(self.mesh.size)
             if stage is None or self.mesh.coord(d, self.pp) == stage]
+
+  def ids_for(self, name):
+    """Devices holding a copy of node `name` that are materialized."""
+    ids = self.all_ids_for(name)
+    return ids if self.only is None else [d for d in ids if d in self.only]
