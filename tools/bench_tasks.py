@@ -9,8 +9,8 @@ seconds, nodes and serialized bytes of each, and the ratios of task 0's
 figures to those at the first dp: the part a worker builds, imports and
 runs should stay flat while the whole graph grows with the replicas.
 
-Task 0's graph is cut from the whole-mesh materialization today, so its
-build time still grows with the cluster; its size does not.
+Without a pipeline axis across tasks only task 0's devices are made, so its
+build time stays flat too; with one, its part is cut from the whole mesh's.
 
     python tools/bench_tasks.py [--model gpt_raw] [--size small] [--dps 2,4,8,16]
         [--inner tp=2]
