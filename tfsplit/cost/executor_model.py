@@ -25,25 +25,21 @@ long tensors live and so the simulated memory peak; the task graph
 # (upstream gradients, recomputed activations) stay allocated until then. In
 # graph order they would run at once: with blocks recomputation, where the
 # peak is in the last block's backward, that order under-estimated the
-# allocator's peak by 10-40% (a small GPT's step: 0.83-0.92 of it, a small
-# BERT's: 0.62; in the executor's order 0.97-1.07 and 1.03-1.04).
+# allocator's peak (docs/planner-accuracy.md has the figures).
 #
 # Which consumer runs on and which are pushed depends on the order of a node's
 # out edges in TF's runtime graph, which Grappler's and the oneDNN pass's
 # rewrites reshuffle and the GraphDef does not record; a profile of a step
 # shows neither graph order nor its reverse. simulate_graph therefore runs the
 # model with each node's out edges shuffled by a few fixed seeds and keeps the
-# run with the median shared peak (the spread over seeds is about +-10% on
-# small transformers; their median is within 8% of the simulation in the
-# profiled order). The choice repeats in every block, so where it decides
-# whether each block's largest gradient waits for the end of the step, the
-# runtime's order sits at one end of that spread: with blocks recomputation a
-# small Keras 3 BERT peaks 20-30% under the median (its tf_keras twin, the
-# GPTs, Llama, ViT and a causal LM: within 7%). Not modelled: the executor's
-# cost estimates, which start every kernel as expensive and let cheap ones run
-# inline only after ~90 runs of a step (KernelStats); a thread queue's capacity
-# (1024 tasks, past which a push runs the task at once); Grappler's changes to
-# the graph.
+# run with the median shared peak. The choice repeats in every block, so where
+# it decides whether each block's largest gradient waits for the end of the
+# step, the runtime's order sits at one end of that spread (how far, per
+# model: docs/planner-accuracy.md). Not modelled: the executor's cost
+# estimates, which start every kernel as expensive and let cheap ones run
+# inline only after many runs of a step (KernelStats); a thread queue's
+# capacity, past which a push runs the task at once; Grappler's changes to the
+# graph.
 
 import collections
 import random

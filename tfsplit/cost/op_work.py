@@ -148,8 +148,7 @@ def op_form(node, shapes, data):
   matrix by a batch of them ('broadcast': one MatMul over the rows, as
   Keras' Dense on a sequence writes it), a transpose of more than two
   dimensions ('nd': attention's head split and merge; Eigen's generic
-  shuffle costs about 20 us a call on a small CPU where a matrix transpose
-  costs 5); '' otherwise. data: the node's data inputs."""
+  shuffle costs several times a matrix transpose); '' otherwise. data: the node's data inputs."""
   if node.op == "Einsum" and "equation" in node.attr:
     return _einsum_form(node.attr["equation"].s.decode(errors="replace"))
   if node.op == "Transpose":
