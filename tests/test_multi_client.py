@@ -281,3 +281,22 @@ def test_one_task_materialized_alone_is_the_cut_of_the_whole(axes, per_task, opt
     keys.append([(n.op, _const(nodes, n.input[1]), _const(nodes, n.input[3]))
                  for n in a.graph_def.node if n.op.startswith("Collective")])
   assert keys[0] and all(k == keys[0] for k in keys)
+
+
+def test_rewrite_task_writes_that_task_only(tmp_path):
+  spec = tmp_path / "cluster.json"
+  spec.write_text('{"worker": ["127.0.0.1:1", "127.0.0.1:2"]}')
+  out = tmp_path / "task1.pb"
+  run = lambda *a: subprocess.run([sys.executable, "-m", "tfsplit.cli", "rewrite", TINY,
+                                   "-o", str(out), "--mesh", "pp=2", *a],
+                                  capture_output=True, text=True, timeout=300, check=False)
+  done = run("--cluster", str(spec), "--task", "1", "--microbatches", "2")
+  assert done.returncode == 0, done.stderr[-2000:]
+  graph_def = load_graph(str(out))
+  assert {task_of(n.device) for n in graph_def.node} == {1}
+  assert any(n.op == "CollectiveBcastRecvV2" for n in graph_def.node)
+  out.unlink()
+  refused = run("--task", "1")
+  assert refused.returncode == 2 and not out.exists()
+  assert refused.stderr.strip().splitlines()[-1].endswith("--task needs --cluster: a task "
+                                                          "is one of the cluster's workers")

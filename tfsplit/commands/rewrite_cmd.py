@@ -75,6 +75,10 @@ def define_flags(fv):
   flags.DEFINE_integer("devices-per-task", None, "With --cluster: devices of each task "
                        "(default: the cluster's tfsplit.devices_per_task, else 1).",
                        lower_bound=1, flag_values=fv)
+  flags.DEFINE_integer("task", None, "With --cluster: write only this task's part of "
+                       "the split (what a worker runs when every worker runs the script; "
+                       "edges to other tasks become broadcasts); the manifest lists every "
+                       "shard.", lower_bound=0, flag_values=fv)
   flags.DEFINE_string("plan", None, "A plan written by 'tfsplit plan': its mesh, "
                       "micro-batches, schedule, stage layer ranges, recompute and zero "
                       "replace those flags.", flag_values=fv)
@@ -87,7 +91,7 @@ def run(fv, args):
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",
       "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task",
-      "offload", "offload-device")
+      "offload", "offload-device", "task")
   if fv.plan:
     from tfsplit.commands.plan_cmd import rewrite_options  # pylint: disable=import-outside-toplevel
     options.update(rewrite_options(fv, args[0]))

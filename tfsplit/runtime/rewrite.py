@@ -64,11 +64,12 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                  schedule="1f1b", collective_timeout=600.0, signature=None,
                  variables=None, virtual_stages=1, bucket_mb=25.0, zero=0,
                  recompute="none", cluster=None, across_tasks=None, devices_per_task=None,
-                 offload="none", offload_device=None):
+                 offload="none", offload_device=None, task=None):
   """Splits the graph at `source` and writes it to `output` with its manifest.
 
   cluster / across_tasks / devices_per_task: place the mesh on a cluster's
-  worker tasks (see make_mesh).
+  worker tasks (see make_mesh). task: with a cluster, write only that
+  task's part (sharding/tasks.py); the manifest still lists every shard.
 
   bucket_mb: gradient bucket size in MiB (0: one all-reduce per gradient).
   recompute: none, blocks, selective, auto or 'scope1,scope2' (memory/recompute.py).
@@ -84,6 +85,9 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   t0 = time.perf_counter()
   graph_def = load_graph(source, signature=signature, variables_from=variables)
   recover.require_variable_shapes(graph_def, source)
+  if task is not None and cluster is None:
+    from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
+    raise PlanError("--task needs --cluster: a task is one of the cluster's workers")
   the_mesh = make_mesh(mesh, stages, devices, job, cluster, across_tasks, devices_per_task)
   layer_ranges = parse_layer_ranges(layers)
   result = split_graph(graph_def, the_mesh, strategy=strategy,
@@ -94,7 +98,7 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                        bucket_bytes=int(round(bucket_mb * 2**20)), zero=zero,
                        recompute=recompute,
                        offload=None if offload in (None, "none") else offload,
-                       offload_device=offload_device)
+                       offload_device=offload_device, task=task)
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)
