@@ -342,9 +342,9 @@ def test_shape_arithmetic_folds_in_keras_graphs(tmp_path_factory):
   """Gradient code's shape arithmetic on constants is evaluated for the
   inference, also where a constant is colocated with a node the evaluation
   leaves out (the `Shape` of an embedding read: every Keras model has one)."""
-  from tfsplit.graph import recover  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import recover_hints  # pylint: disable=import-outside-toplevel
   _, cf, _ = _plain_corpus("causallm_keras3", tmp_path_factory)
   graph = Graph(cf.graph.as_graph_def())
   assert any("_class" in n.attr and n.op == "Const" for n in graph.nodes)
-  folded = recover._fold_shape_arithmetic(graph)  # pylint: disable=protected-access
+  folded = recover_hints.fold_shape_arithmetic(graph)
   assert len(folded) >= 10, sorted(folded)
