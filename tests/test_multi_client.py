@@ -270,7 +270,7 @@ def test_one_task_materialized_alone_is_the_cut_of_the_whole(axes, per_task, opt
   mesh = _mesh(axes, tasks, per_task)
   alone = [split_graph(original, mesh, timeout_seconds=30, task=k, **options)
            for k in range(tasks)]
-  monkeypatch.setattr(split_pass, "_task_devices", lambda state: None)
+  monkeypatch.setattr(split_pass, "task_devices", lambda state: None)
   cut = [split_graph(original, mesh, timeout_seconds=30, task=k, **options)
          for k in range(tasks)]
   keys = []

@@ -59,12 +59,12 @@ from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
 from tfsplit.passes.config import DEFAULT_BUCKET_BYTES, SplitConfig
 from tfsplit.passes.result import SplitResult
+from tfsplit.passes.tasks import extract_task, task_devices
 from tfsplit.pipeline import microbatches as microbatch_lib
 from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.sharding import buckets as buckets_lib
-from tfsplit.sharding import tasks as tasks_lib
 from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding.materialize import materialize
@@ -201,7 +201,7 @@ def materialize_devices(state):
                                    state.config.timeout_seconds, state.stage_of,
                                    scatter_microbatches=state.config.zero >= 2,
                                    moved=state.offload.nodes if state.offload else (),
-                                   only=_task_devices(state))
+                                   only=task_devices(state))
   if state.zero is not None:
     zero_lib.annotate_manifest(state.materialized.manifest, state.zero, analysis.variables)
 
@@ -439,75 +439,6 @@ def lean_constants(state):
   for _, name in doomed:
     out.records.pop(name, None)
   state.inputs_come_first = ordered
-
-
-def extract_task(state):
-  """One task's part of the whole-mesh graph (config.task; sharding/tasks.py)."""
-  task = state.config.task
-  if task is None:
-    return
-  analysis, out, prop, mesh = state.analysis, state.materialized, state.propagation, state.mesh
-  inputs = {}
-  for name in graph_inputs(analysis.graph):
-    specs = prop.outputs.get(name)
-    inputs[name] = (analysis.shapes[name][0].shape, specs[0] if specs else None)
-  shares = tasks_lib.input_shares(inputs, mesh, task)
-
-  def tensor_type(name, port):
-    """(dtype, local shape) of a node's output that another task reads: the
-    local copy of an original op, or found by TF's shape inference."""
-    record = out.records.get(name)
-    if record is not None and record.device_id is not None and \
-        name == builder_lib.local_name(record.source, record.device_id):
-      info = analysis.shapes[record.source][port]
-      outs = prop.outputs.get(record.source) or []
-      spec = outs[port] if port < len(outs) else None
-      if info.shape is not None:
-        shape = list(info.shape) if spec is None else \
-            spec.local_shape(info.shape, mesh, f"tensor '{name}:{port}'")
-        return info.dtype, shape
-    if not imported:
-      imported.append(_imported(out.graph_def))
-    t = imported[0].get_tensor_by_name(f"{name}:{port}")
-    return t.dtype.as_datatype_enum, (t.shape.as_list() if t.shape.rank is not None
-                                      else None)
-
-  imported = []   # the whole graph in TF, for shapes no record gives
-
-  graph_def, part = tasks_lib.task_graph(
-      out.graph_def, task, shares, graph_outputs(analysis.graph), out.output_copies,
-      tensor_type, state.config.timeout_seconds)
-  out.graph_def = graph_def
-  out.records = {n.name: out.records[n.name] for n in graph_def.node if n.name in out.records}
-  state.task_part = part
-  state.inputs_come_first = None
-
-
-def _task_devices(state):
-  """The device ids of config.task when it alone may be materialized (no
-  pipeline axis across tasks), else None (the whole mesh, then cut)."""
-  task, mesh = state.config.task, state.mesh
-  if task is None:
-    return None
-  ids = [d for d in range(mesh.size) if tasks_lib.task_of(mesh.devices[d]) == task]
-  if not ids:
-    raise PlanError(f"task {task} holds no device of mesh {mesh}; run as many workers "
-                    "as the mesh needs, or a larger mesh")
-  pp = constants.PIPELINE_AXIS
-  if mesh.axes.get(pp, 1) > 1 and any(
-      len({tasks_lib.task_of(mesh.devices[m]) for m in members}) > 1
-      for members in mesh.groups(pp)):
-    return None
-  return ids
-
-
-def _imported(graph_def):
-  """`graph_def` imported into a tf.Graph (TF's shape inference over it)."""
-  import tensorflow as tf  # pylint: disable=import-outside-toplevel
-  graph = tf.Graph()
-  with graph.as_default():
-    tf.graph_util.import_graph_def(graph_def, name="")
-  return graph
 
 
 def check_acyclic(state):
