@@ -18,8 +18,7 @@ from tfsplit.cost.executor_model import (INLINE_OPS, ExecutorModel, executor_ord
 from tfsplit.cost.graph_tasks import Builder
 from tfsplit.cost.placement import device_indices, device_names, place_by_layers
 from tfsplit.errors import PlanError
-from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.ir import Graph
+from tfsplit.graph import layers as layers_lib
 from tfsplit.memory import graph_memory
 
 __all__ = ["EXECUTOR_SAMPLES", "INLINE_OPS", "SCHEDULES", "GraphSimResult",
@@ -95,13 +94,7 @@ def simulate_graph(graph, cluster, cost_model=None, shapes=None,
   if schedule == "executor" and samples < 1:
     raise PlanError(f"samples must be at least 1, got {samples}")
   t0 = time.perf_counter()
-  if not isinstance(graph, Graph):
-    graph = Graph(graph)
-  if variables is None:
-    variables = variables_lib.find_variables(graph)
-  if shapes is None:
-    from tfsplit.graph.shapes import infer_shapes  # pylint: disable=import-outside-toplevel
-    shapes = infer_shapes(graph, variables)
+  graph, variables, shapes = layers_lib.analysed(graph, variables, shapes)
   if cost_model is None:
     cost_model = op_cost.CostModel(cluster)
   device_of, labels = device_indices(graph, device_map)

@@ -173,13 +173,10 @@ def _common_prefix(paths):
   return prefix
 
 
-@without_gc
-def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
-  """LayerReport for a Graph (or GraphDef).
-
-  shapes: a ShapeMap (for FLOPs and bytes; inferred if None).
-  depth: force the scope depth of layers (default: found from the graph).
-  """
+def analysed(graph, variables=None, shapes=None):
+  """(Graph, variables, ShapeMap) of a Graph or GraphDef, finding the
+  variables and inferring the shapes a caller did not pass. The shape import
+  is lazy: it loads TensorFlow, which callers that pass shapes never need."""
   if not isinstance(graph, Graph):
     graph = Graph(graph)
   if variables is None:
@@ -187,6 +184,17 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   if shapes is None:
     from tfsplit.graph.shapes import infer_shapes  # pylint: disable=import-outside-toplevel
     shapes = infer_shapes(graph, variables)
+  return graph, variables, shapes
+
+
+@without_gc
+def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
+  """LayerReport for a Graph (or GraphDef).
+
+  shapes: a ShapeMap (for FLOPs and bytes; inferred if None).
+  depth: force the scope depth of layers (default: found from the graph).
+  """
+  graph, variables, shapes = analysed(graph, variables, shapes)
   order = order or graph.topological_order()
   var_nodes = {v.node: v for v in variables}
   # NodeDefs and op types looked up once: the loops below read them per node

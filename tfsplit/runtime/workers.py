@@ -376,6 +376,43 @@ def _group_alive(pgid):
     return False
 
 
+class _SignalForwarder:
+  """Passes SIGINT / SIGTERM / SIGHUP received by this process on to the
+  process groups of the commands it starts (a signal that came before a
+  command started is passed on as soon as it starts); restore() puts the
+  previous handlers back."""
+
+  def __init__(self, procs):
+    self.procs = procs
+    self.received = []
+    self.previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+      try:
+        self.previous[sig] = signal.signal(sig, self._on_signal)
+      except ValueError:  # not the main thread
+        pass
+
+  def _on_signal(self, signum, _frame):
+    self.received.append(signum)
+    for p in self.procs:
+      _signal_group(p.pid, signum)
+
+  def start(self, command, env):
+    try:
+      proc = subprocess.Popen(command, env=env, preexec_fn=_chief_preexec)  # pylint: disable=consider-using-with
+    except OSError as e:
+      from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
+      raise TfsplitError(f"cannot run {command[0]}: {e.strerror or e}") from None
+    self.procs.append(proc)
+    if self.received:
+      _signal_group(proc.pid, self.received[-1])
+    return proc
+
+  def restore(self):
+    for sig, handler in self.previous.items():
+      signal.signal(sig, handler)
+
+
 def launch(command, num_workers, devices_per_worker=1, kind="CPU", start_timeout=120.0,
            logdir=None, stop_grace=STOP_GRACE_SECONDS, log=None):
   """Runs `command` (argv) as the client of `num_workers` fresh workers.
@@ -389,33 +426,16 @@ def launch(command, num_workers, devices_per_worker=1, kind="CPU", start_timeout
   """
   log = log or sys.stderr
   group, spec = start_workers(num_workers, devices_per_worker, kind, start_timeout, logdir)
+  procs = []
+  forward = _SignalForwarder(procs)
   proc = None
-  received = []
-  previous = {}
-
-  def on_signal(signum, _frame):
-    received.append(signum)
-    if proc is not None:
-      _signal_group(proc.pid, signum)
-
   try:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-      try:
-        previous[sig] = signal.signal(sig, on_signal)
-      except ValueError:  # not the main thread
-        pass
     env = dict(os.environ)
     env["TF_CONFIG"] = tf_config(spec, devices_per_worker, kind.upper())
     log.write(f"tfsplit launch: {num_workers} worker(s) on {', '.join(spec[JOB])} "
               f"({devices_per_worker} {kind.upper()} each); logs in {group.logdir}\n")
     log.flush()
-    try:
-      proc = subprocess.Popen(command, env=env, preexec_fn=_chief_preexec)  # pylint: disable=consider-using-with
-    except OSError as e:
-      from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
-      raise TfsplitError(f"cannot run {command[0]}: {e.strerror or e}") from None
-    if received:
-      _signal_group(proc.pid, received[-1])
+    proc = forward.start(command, env)
     while True:
       try:
         code = proc.wait(timeout=0.5)
@@ -446,8 +466,7 @@ def launch(command, num_workers, devices_per_worker=1, kind="CPU", start_timeout
           _signal_group(proc.pid, signal.SIGKILL)
     finally:
       group.stop(stop_grace)
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
+      forward.restore()
 
 
 def launch_each(command, num_workers, devices_per_worker=1, kind="CPU",
@@ -465,19 +484,9 @@ def launch_each(command, num_workers, devices_per_worker=1, kind="CPU",
   log = log or sys.stderr
   kind = kind.upper()
   spec = cluster_spec(free_ports(num_workers))
-  procs, received, previous = [], [], {}
-
-  def on_signal(signum, _frame):
-    received.append(signum)
-    for p in procs:
-      _signal_group(p.pid, signum)
-
+  procs = []
+  forward = _SignalForwarder(procs)
   try:
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-      try:
-        previous[sig] = signal.signal(sig, on_signal)
-      except ValueError:  # not the main thread
-        pass
     log.write(f"tfsplit launch: {num_workers} worker(s) on {', '.join(spec[JOB])} "
               f"({devices_per_worker} {kind} each), each running the command\n")
     log.flush()
@@ -488,13 +497,7 @@ def launch_each(command, num_workers, devices_per_worker=1, kind="CPU",
       if kind == "GPU":
         env["CUDA_VISIBLE_DEVICES"] = ",".join(
             str(i * devices_per_worker + j) for j in range(devices_per_worker))
-      try:
-        procs.append(subprocess.Popen(command, env=env, preexec_fn=_chief_preexec))  # pylint: disable=consider-using-with
-      except OSError as e:
-        from tfsplit.errors import TfsplitError  # pylint: disable=import-outside-toplevel
-        raise TfsplitError(f"cannot run {command[0]}: {e.strerror or e}") from None
-    if received:
-      on_signal(received[-1], None)
+      forward.start(command, env)
     first_failure = None
     while any(p.poll() is None for p in procs):
       for i, p in enumerate(procs):
@@ -525,5 +528,4 @@ def launch_each(command, num_workers, devices_per_worker=1, kind="CPU",
         if _group_alive(p.pid):
           _signal_group(p.pid, signal.SIGKILL)
     finally:
-      for sig, handler in previous.items():
-        signal.signal(sig, handler)
+      forward.restore()
