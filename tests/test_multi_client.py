@@ -258,12 +258,15 @@ def test_dead_worker_ends_the_others_and_resume_is_exact(tmp_path):
 
 @pytest.mark.parametrize("axes,per_task,options", [
     ({"dp": 2}, 1, {}), ({"dp": 2, "tp": 2}, 2, {"microbatches": 2}),
-    ({"dp": 2}, 1, {"zero": 2, "microbatches": 2}), ({"dp": 4}, 2, {})])
+    ({"dp": 2}, 1, {"zero": 2, "microbatches": 2}), ({"dp": 4}, 2, {}),
+    ({"pp": 2}, 1, {"microbatches": 2}), ({"dp": 2, "pp": 2}, 1, {"microbatches": 2})])
 def test_one_task_materialized_alone_is_the_cut_of_the_whole(axes, per_task, options,
                                                              monkeypatch):
-  """Without a pipeline axis across tasks only the task's devices are made:
-  the same nodes as the task's cut of the whole-mesh graph, and every task's
-  collectives carry the same instance keys in the same order."""
+  """Only the task's devices (and, with a pipeline axis, its pipeline peers)
+  are made: the same nodes as the task's cut of the whole-mesh graph, and
+  the tasks made apart agree on every collective: each (group key, instance
+  key) has one member per device of its group, all of the same collective.
+  (Instance keys of groups inside one task may differ from the cut's.)"""
   from tfsplit.passes import split as split_pass  # pylint: disable=import-outside-toplevel
   original = load_graph(TINY)
   tasks = int(np.prod(list(axes.values()))) // per_task
@@ -273,14 +276,27 @@ def test_one_task_materialized_alone_is_the_cut_of_the_whole(axes, per_task, opt
   monkeypatch.setattr(split_pass, "task_devices", lambda state: None)
   cut = [split_graph(original, mesh, timeout_seconds=30, task=k, **options)
          for k in range(tasks)]
-  keys = []
+  def collective_keys(graph_def):
+    nodes = {n.name: n for n in graph_def.node}
+    # (op, group size, group key, instance key): a receiver has no input tensor.
+    first = {"CollectiveBcastRecvV2": 0}
+    return {n.name: (n.op, *(_const(nodes, n.input[first.get(n.op, 1) + i]) for i in range(3)))
+            for n in graph_def.node if n.op.startswith("Collective")}
+
+  instances = collections.defaultdict(list)
   for a, c in zip(alone, cut):
     assert sorted(n.name for n in a.graph_def.node) == sorted(n.name for n in c.graph_def.node)
     assert a.manifest == c.manifest
-    nodes = {n.name: n for n in a.graph_def.node}
-    keys.append([(n.op, _const(nodes, n.input[1]), _const(nodes, n.input[3]))
-                 for n in a.graph_def.node if n.op.startswith("Collective")])
-  assert keys[0] and all(k == keys[0] for k in keys)
+    assert a.task == c.task
+    devices = {n.name: n.device for n in a.graph_def.node}
+    for name, (op, size, group, instance) in collective_keys(a.graph_def).items():
+      if not op.startswith("CollectiveBcast"):   # paired by the test above
+        instances[(group, instance)].append(
+            (op, size, re.sub(r"/shard_\d+(?=/|$)", "", name), devices[name]))
+  assert instances or set(axes) == {"pp"}   # a pipeline alone only broadcasts
+  for key, members in instances.items():
+    assert len({m[:3] for m in members}) == 1, (key, members)
+    assert len({m[3] for m in members}) == len(members) == members[0][1], (key, members)
 
 
 def test_rewrite_task_writes_that_task_only(tmp_path):

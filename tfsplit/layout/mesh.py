@@ -45,6 +45,12 @@ class Mesh(object):
                       "device names were given")
     self.devices = devices
     self._coords = list(itertools.product(*[range(s) for s in self.axes.values()]))
+    # Row-major ids (the last axis fastest): ids and groups are computed, not
+    # searched, the mesh being as large as a cluster.
+    self._strides, stride = {}, 1
+    for name in reversed(self.axis_names):
+      self._strides[name], stride = stride, stride * self.axes[name]
+    self._groups = {}
 
   @classmethod
   def parse(cls, text, devices=None):
@@ -121,23 +127,30 @@ class Mesh(object):
     return self._coords[device_id][self.axis_names.index(axis)]
 
   def device_id(self, coords):
-    return self._coords.index(tuple(coords[a] for a in self.axis_names))
+    return sum(coords[a] * self._strides[a] for a in self.axis_names)
 
   def groups(self, axis):
-    """Lists of device ids that differ only in `axis` (collective groups)."""
-    index = self.axis_names.index(axis)
-    groups = {}
-    for device_id, c in enumerate(self._coords):
-      key = c[:index] + c[index + 1:]
-      groups.setdefault(key, []).append(device_id)
-    return [groups[k] for k in sorted(groups)]
+    """Lists of device ids that differ only in `axis` (collective groups),
+    in the order of the other coordinates."""
+    return [list(members) for members in self._axis_groups(axis)[0]]
 
   def group_of(self, device_id, axis):
     """(group index, members) of the `axis` group holding `device_id`."""
-    for i, members in enumerate(self.groups(axis)):
-      if device_id in members:
-        return i, members
-    raise AssertionError("device not in mesh")
+    groups, index_of = self._axis_groups(axis)
+    i = index_of[device_id]
+    return i, list(groups[i])
+
+  def _axis_groups(self, axis):
+    found = self._groups.get(axis)
+    if found is None:
+      index = self.axis_names.index(axis)
+      groups = {}
+      for device_id, c in enumerate(self._coords):
+        groups.setdefault(c[:index] + c[index + 1:], []).append(device_id)
+      ordered = [tuple(groups[k]) for k in sorted(groups)]
+      index_of = {d: i for i, members in enumerate(ordered) for d in members}
+      found = self._groups[axis] = (ordered, index_of)
+    return found
 
   def check_devices_available(self, available):
     """Raises PlanError if the mesh needs more devices than `available`."""

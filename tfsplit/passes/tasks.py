@@ -1,7 +1,8 @@
 """The passes of a split made for one cluster task (SplitConfig.task): which
 devices materialize_devices makes, and the task's part cut out at the end
 (sharding/tasks.py cuts; this module hands it what earlier passes recorded:
-the layouts, the materialized records, the input shapes)."""
+the layouts, the materialized records, the input shapes, the devices that
+hold each output)."""
 from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
@@ -42,9 +43,10 @@ def extract_task(state):
 
   imported = []   # the whole graph in TF, for shapes no record gives
 
+  routes = tasks_lib.output_routes(mesh, out.output_holders, constants.PIPELINE_AXIS)
   graph_def, part = tasks_lib.task_graph(
       out.graph_def, task, shares, graph_outputs(analysis.graph), out.output_copies,
-      tensor_type, state.config.timeout_seconds)
+      routes, tensor_type, state.config.timeout_seconds)
   out.graph_def = graph_def
   out.records = {n.name: out.records[n.name] for n in graph_def.node if n.name in out.records}
   state.task_part = part
@@ -52,8 +54,11 @@ def extract_task(state):
 
 
 def task_devices(state):
-  """The device ids of config.task when it alone may be materialized (no
-  pipeline axis across tasks), else None (the whole mesh, then cut)."""
+  """The device ids materialize_devices makes for config.task (None: every
+  device): the task's own and, with a pipeline axis across tasks, the rest
+  of their pipeline groups, whose nodes the stage boundaries read and write.
+  Each task then sees every edge between tasks its broadcasts pair, and
+  what it makes grows with one replica's model, not with the mesh."""
   task, mesh = state.config.task, state.mesh
   if task is None:
     return None
@@ -62,11 +67,12 @@ def task_devices(state):
     raise PlanError(f"task {task} holds no device of mesh {mesh}; run as many workers "
                     "as the mesh needs, or a larger mesh")
   pp = constants.PIPELINE_AXIS
-  if mesh.axes.get(pp, 1) > 1 and any(
-      len({tasks_lib.task_of(mesh.devices[m]) for m in members}) > 1
-      for members in mesh.groups(pp)):
-    return None
-  return ids
+  if mesh.axes.get(pp, 1) <= 1:
+    return ids
+  made = set(ids)
+  for d in ids:
+    made.update(mesh.group_of(d, pp)[1])
+  return sorted(made)
 
 
 def _imported(graph_def):

@@ -46,6 +46,8 @@ class Materialized:
   records: Dict[str, object]       # local node -> builder.NodeRecord
   local_sums: List[dict]           # per running gradient sum: {device id: member}
   only: Optional[frozenset] = None  # the device ids made (one task's), None: all
+  # output -> the device ids with a copy of it, made or not (every task's)
+  output_holders: Dict[str, List[int]] = dataclasses.field(default_factory=dict)
 
 
 class _Materializer(object):
@@ -66,6 +68,7 @@ class _Materializer(object):
     self.sources = {}        # (src, port) -> source()'s answer
     self.reshards = {}       # (src, port, want, raw) -> [local tensor per device]
     self.deferred, self.manifest, self.output_copies = [], {}, {}
+    self.output_holders = {}
     # Constants whose copies stay apart: the outputs keep theirs, and moved
     # ones (to a host, after this) must not be read where they were.
     self.unmerged = frozenset(graph_outputs(graph)) | frozenset(moved)
@@ -75,6 +78,17 @@ class _Materializer(object):
     """Node `name`'s copy as device d sees it (its stage's; shared ones aliased)."""
     d = self.place.on_stage(d, self.place.stage(name))
     return self.alias.get((name, d)) or local_name(name, d)
+
+  def copies(self, src, port):
+    """src:port as each device's copy of src has it: one entry per mesh
+    device, None on devices this split does not make (another task's)."""
+    made = self.place.only
+    if made is None:
+      return [tensor(self.lname(src, d), port) for d in range(self.mesh.size)]
+    found = [None] * self.mesh.size
+    for d in made:
+      found[d] = tensor(self.lname(src, d), port)
+    return found
 
   # --- tensors as consumers see them ---------------------------------------------
   def source(self, src, port, consumer):
@@ -88,7 +102,7 @@ class _Materializer(object):
       if produced is None:
         outs = self.prop.outputs[src]
         have = outs[port] if port < len(outs) else None
-        found = ([tensor(self.lname(src, d), port) for d in range(self.mesh.size)], have)
+        found = (self.copies(src, port), have)
       else:
         whole = produced.without_partial()
         found = (self.reshard(src, port, produced, whole, consumer, raw=True), whole)
@@ -99,7 +113,7 @@ class _Materializer(object):
     key = (src, port, want, raw)
     if key not in self.reshards:
       if raw:
-        current = [tensor(self.lname(src, d), port) for d in range(self.mesh.size)]
+        current = self.copies(src, port)
       else:
         current, have = self.source(src, port, consumer)
       current = self.r.reshard(current, self.place.ids_for(src), self.shapes[src][port], have,
@@ -113,7 +127,8 @@ class _Materializer(object):
     info = self.variables[node.name]
     spec = self.prop.variable_specs.get(node.name) or Sharding.replicated(len(info.shape))
     local_shape = spec.local_shape(info.shape, self.mesh, f"variable '{info.name}'")
-    shards = []
+    shards, offsets = [], {}
+    split_axes = [axis for axis in spec.dims if axis is not None]
     made = set(self.place.ids_for(node.name))
     for d in self.place.all_ids_for(node.name):  # the manifest names every task's
       if self.r.rep(d) != d:  # micro-batches share their device's variables
@@ -125,10 +140,13 @@ class _Materializer(object):
                                   shard_name, local_shape)
         self.b.add(new, node.name, d)
         self.b.mark_shared(new.name)
+      # A shard's offsets depend only on its coordinates on the split axes:
+      # found once per block, not once per replica.
+      block = tuple(self.mesh.coord_of(d, axis) for axis in split_axes)
+      if block not in offsets:
+        offsets[block] = list(spec.offsets(info.shape, self.mesh, d, f"variable '{info.name}'"))
       shards.append({"name": shard_name, "device": self.mesh.devices[d], "device_id": d,
-                     "offsets": list(spec.offsets(info.shape, self.mesh, d,
-                                                  f"variable '{info.name}'")),
-                     "shape": list(local_shape)})
+                     "offsets": list(offsets[block]), "shape": list(local_shape)})
     self.manifest[info.name] = {"dtype": info.dtype_name, "shape": list(info.shape),
                                 "trainable": info.trainable, "sharding": list(spec.dims),
                                 "shards": shards}
@@ -254,6 +272,7 @@ class _Materializer(object):
       seen.setdefault(local[d], d)
     self.output_copies[name] = [[self.mesh.devices[d], t]
                                 for d, t in sorted((d, t) for t, d in seen.items())]
+    self.output_holders[name] = self.place.all_ids_for(name)
     # Control inputs from every device's copy: a collective member that no
     # fetched node depends on is pruned, and its peers would wait forever.
     ids = range(self.mesh.size) if self.place.only is None else sorted(self.place.only)
@@ -281,7 +300,7 @@ class _Materializer(object):
       self.output(name)
     return Materialized(self.b.graph_def, self.manifest, self.r.collectives,
                         self.output_copies, self.b.records, self.r.local_sums,
-                        self.place.only)
+                        self.place.only, self.output_holders)
 
 
 def materialize(graph, shapes, mesh, propagation, variables, timeout_seconds=None,

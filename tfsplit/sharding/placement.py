@@ -18,6 +18,7 @@ class Placement(object):
     self.pp = constants.PIPELINE_AXIS if stage_of is not None else None
     self.stage_of = stage_of or {}
     self.stages = mesh.axes.get(constants.PIPELINE_AXIS, 1)
+    self._by_stage = {}
 
   def stage(self, name):
     return self.stage_of.get(name, 0) % self.stages if self.pp else None
@@ -30,11 +31,19 @@ class Placement(object):
 
   def all_ids_for(self, name):
     """Devices holding a copy of node `name`, on every task."""
-    stage = self.stage(name)
-    return [d for d in range(self.mesh.size)
-            if stage is None or self.mesh.coord(d, self.pp) == stage]
+    return self._ids(self.stage(name))[0]
 
   def ids_for(self, name):
     """Devices holding a copy of node `name` that are materialized."""
-    ids = self.all_ids_for(name)
-    return ids if self.only is None else [d for d in ids if d in self.only]
+    return self._ids(self.stage(name))[1]
+
+  def _ids(self, stage):
+    """(every device of `stage`, the materialized ones): found once per
+    stage, the mesh being as large as a cluster."""
+    found = self._by_stage.get(stage)
+    if found is None:
+      every = [d for d in range(self.mesh.size)
+               if stage is None or self.mesh.coord(d, self.pp) == stage]
+      found = (every, every if self.only is None else [d for d in every if d in self.only])
+      self._by_stage[stage] = found
+    return list(found[0]), list(found[1])

@@ -7,12 +7,15 @@ collective groups. So `task_graph` keeps the nodes placed on one task and
 turns every edge between tasks into a collective:
 
 - a tensor read on other tasks is broadcast from its device
-  (CollectiveBcastSendV2) to one device of each task that reads it
-  (CollectiveBcastRecvV2): one collective per tensor. Group keys are fixed by
-  the member devices (as sharding/reshard.py keys its groups); instance keys
-  count up after the largest one the split used, in the order of the
-  tensors' names, so every task derives the same keys from the same plan
-  without talking;
+  (CollectiveBcastSendV2) to one device of each task that reads it (the
+  first by name; CollectiveBcastRecvV2): one collective per tensor. Group
+  keys are fixed by the member devices (as sharding/reshard.py keys its
+  groups); an instance key is a hash of the group and the tensor's name,
+  moved past the keys the group already uses in the order of the tensors'
+  names. Every task derives the same keys from the same plan without
+  talking, from what any member of the group sees: the edges between tasks
+  run between the devices of one pipeline group (a stage boundary), and a
+  task's graph is made from the whole pipeline groups of its devices;
 - a control edge between tasks is dropped; the node it waited on becomes a
   control input of the task's first output instead, so each task still runs
   everything the one-client step ran on it, and a broadcast's sender always
@@ -21,7 +24,8 @@ turns every edge between tasks into a collective:
   the block its devices read (`input_shares`), the Slices that read it
   made relative to that block;
 - every output is returned on every task (a train step's loss is the global
-  one): the task's own copy, or one broadcast from the task that has it.
+  one): the task's own copy, or one broadcast from a copy in the pipeline
+  group of the task's first device (`output_routes`, from the mesh alone).
 """
 import dataclasses
 import re
@@ -42,6 +46,7 @@ from tfsplit.sharding.builder import const_node, tensor
 from tfsplit.sharding.collectives import collective_node
 
 _TASK_RE = re.compile(r"/task:(\d+)")
+_KEY_BIT = 0x40000000   # sharding/buckets.py's range: hashed keys
 _COLLECTIVES = ("CollectiveReduceV2", "CollectiveGatherV2", "CollectiveReduceScatterV2",
                 "CollectiveAllToAllV2", "CollectiveBcastSendV2", "CollectiveBcastRecvV2")
 
@@ -91,12 +96,40 @@ def input_shares(inputs, mesh, task):
   return shares
 
 
+def output_routes(mesh, holders, pipeline_axis):
+  """{output: {task: (copy's device, receiving device)}} for every task with
+  no copy of an output: the copy it receives is the first holder (mesh
+  order) in the pipeline group of the task's first device, received there.
+  holders: {output: the mesh device ids with a copy}. Found from the mesh
+  alone, so the sender and every receiver agree without seeing each other's
+  graphs."""
+  first = {}
+  for d, device in enumerate(mesh.devices):
+    first.setdefault(task_of(device), d)
+  pipelined = mesh.axes.get(pipeline_axis, 1) > 1
+  routes = {}
+  for name, ids in holders.items():
+    holding = {task_of(mesh.devices[d]) for d in ids}
+    routes[name] = {}
+    for task, d in first.items():
+      if task in holding:
+        continue
+      peers = set(mesh.group_of(d, pipeline_axis)[1]) if pipelined else {d}
+      source = next((h for h in ids if h in peers), None)
+      if source is None:
+        raise PlanError(f"output '{name}' has no copy in the pipeline group of task "
+                        f"{task}'s first device; this is a bug in tfsplit's per-task "
+                        "graphs, please report it")
+      routes[name][task] = (mesh.devices[source], mesh.devices[d])
+  return routes
+
+
 class _Extraction(object):
 
-  def __init__(self, graph_def, task, shares, outputs, output_copies, tensor_type,
+  def __init__(self, graph_def, task, shares, outputs, output_copies, routes, tensor_type,
                timeout_seconds):
     self.src, self.task, self.shares = graph_def, task, shares
-    self.outputs, self.output_copies = list(outputs), output_copies
+    self.outputs, self.output_copies, self.routes = list(outputs), output_copies, routes
     self.tensor_type, self.timeout = tensor_type, timeout_seconds
     self.nodes = {n.name: n for n in graph_def.node}
     self.where = {n.name: task_of(n.device) for n in graph_def.node}
@@ -118,8 +151,10 @@ class _Extraction(object):
 
   # --- what crosses ------------------------------------------------------------------
   def crossings(self):
-    """({tensor: {reading task: its first reading device}}, nodes of this task
-    that a node of another task waits on)."""
+    """({tensor: {reading task: its reading device}}, nodes of this task that
+    a node of another task waits on). A task's graph may hold other tasks'
+    nodes (its devices' pipeline groups); every edge between tasks they show
+    is counted, as every task seeing those groups counts it."""
     readers, waited_on = {}, set()
     outputs, inputs = set(self.outputs), set(self.shares)
     tasks = set()
@@ -136,57 +171,78 @@ class _Extraction(object):
         there = self.where.get(src)
         if src in inputs or there == here:
           continue
+        if there is None:
+          if here == self.task:
+            raise PlanError(f"node '{node.name}' (op {node.op}) reads '{src}', which "
+                            f"task {self.task}'s graph does not hold; this is a bug in "
+                            "tfsplit's per-task graphs, please report it")
+          continue
         if port < 0:
           if there == self.task:
             waited_on.add(src)
           continue
-        readers.setdefault((src, port), {}).setdefault(here, node.device)
+        by_task = readers.setdefault((src, port), {})
+        by_task[here] = min(by_task.get(here, node.device), node.device)
     self.tasks = sorted(tasks)
     if self.task not in tasks:
       raise PlanError(f"task {self.task} runs no node of this graph (it uses tasks "
                       f"{', '.join(map(str, self.tasks))})")
     self.task_devices = sorted({n.device for n in self.src.node
                                 if self.where[n.name] == self.task})
-    first_device = {}
-    for node in self.src.node:
-      first_device.setdefault(self.where[node.name], node.device)
-    # Every task returns every output: the tasks without a copy receive one.
+    # Every task returns every output: its own copy, or the routed one. The
+    # broadcasts of the copies this task sends or receives are counted whole.
     self.chosen = {}
     for name in self.outputs:
-      copies = [parse_input(t) for _, t in self.output_copies[name]]
-      by_task = {}
-      for src, port in copies:
-        by_task.setdefault(self.where[src], (src, port))
-      self.chosen[name] = by_task.get(self.task, copies[0])
-      for t in self.tasks:
-        if t not in by_task:
-          readers.setdefault(copies[0], {}).setdefault(t, first_device[t])
+      copies = {}
+      for device, text in self.output_copies[name]:
+        copies.setdefault(device, parse_input(text))
+      own = next((c for d, c in copies.items() if task_of(d) == self.task), None)
+      routes = self.routes.get(name, {})
+      if own is None and self.task not in routes:
+        raise PlanError(f"output '{name}' has no copy on task {self.task} and no route "
+                        "to it; this is a bug in tfsplit's per-task graphs, please "
+                        "report it")
+      self.chosen[name] = own if own is not None else copies[routes[self.task][0]]
+      by_copy = {}
+      for task, (device, receiver) in routes.items():
+        by_copy.setdefault(device, []).append((task, receiver))
+      for device, receivers in by_copy.items():
+        if task_of(device) != self.task and self.task not in dict(receivers):
+          continue
+        by_task = readers.setdefault(copies[device], {})
+        for task, receiver in receivers:
+          by_task[task] = min(by_task.get(task, receiver), receiver)
     return readers, waited_on
 
-  def _next_instance_keys(self):
-    used = [0]
+  def _used_instance_keys(self):
+    """{group key: instance keys its collectives use in this graph}."""
+    used = {}
     for node in self.src.node:
-      if node.op in _COLLECTIVES:
-        key = self.nodes.get(parse_input(node.input[-2 if node.op == "CollectiveBcastRecvV2"
-                                                    else 3])[0])
-        if key is not None and key.op == "Const":
-          used.append(int(tensor_util.MakeNdarray(key.attr["value"].tensor)))
-    return max(used) + 1
+      if node.op not in _COLLECTIVES:
+        continue
+      at = 0 if node.op == "CollectiveBcastRecvV2" else 1
+      group = self.nodes.get(parse_input(node.input[at + 1])[0])
+      key = self.nodes.get(parse_input(node.input[at + 2])[0])
+      if group is not None and key is not None and group.op == key.op == "Const":
+        used.setdefault(int(tensor_util.MakeNdarray(group.attr["value"].tensor)),
+                        set()).add(int(tensor_util.MakeNdarray(key.attr["value"].tensor)))
+    return used
 
   # --- broadcasts ----------------------------------------------------------------------
   def broadcasts(self, readers):
     """({tensor: (the local tensor this task reads it as, its device)}, the
     sends' names, appended to the
-    tail. One broadcast per tensor, in the order of the tensors' names."""
+    tail. One broadcast per tensor, keyed in the order of the tensors' names."""
     received, sends = {}, []
-    key = self._next_instance_keys()
+    used = self._used_instance_keys()
     for (src, port) in sorted(readers):
       by_task = readers[(src, port)]
       there = self.where[src]
       members = [self.nodes[src].device] + [by_task[t] for t in sorted(by_task)]
-      instance, key = key, key + 1
       if self.task != there and self.task not in by_task:
         continue
+      group_key = (zlib.crc32(",".join(sorted(members)).encode()) & 0x3FFFFFFF) + 1
+      instance = _instance_key(group_key, tensor(src, port), used.setdefault(group_key, set()))
       dtype, shape = self.tensor_type(src, port)
       what = f"tensor '{tensor(src, port)}' (op {self.nodes[src].op}) of task {there}"
       if dtype == types_pb2.DT_RESOURCE:
@@ -196,7 +252,6 @@ class _Extraction(object):
       if shape is None or any(s is None or s < 0 for s in shape):
         raise PlanError(f"{what} is read on another task but its shape is not known; "
                         "trace the step with static shapes")
-      group_key = (zlib.crc32(",".join(sorted(members)).encode()) & 0x3FFFFFFF) + 1
       device = members[0] if self.task == there else by_task[self.task]
       base = f"{src}/port_{port}/task_{'send' if self.task == there else 'recv'}"
       keys = [self.const(base + "/group_size", len(members), device),
@@ -311,16 +366,28 @@ class _Extraction(object):
     return out, part
 
 
-def task_graph(graph_def, task, shares, outputs, output_copies, tensor_type,
+def _instance_key(group_key, name, used):
+  """A broadcast's instance key: a hash of its group and tensor, moved past
+  the keys `used` by that group (which it joins), in the bucket keys' range
+  (bit 30 set, clear of the Resharder's counting keys)."""
+  key = _KEY_BIT | (zlib.crc32(f"{group_key}:{name}".encode()) & (_KEY_BIT - 1))
+  while key in used:
+    key = _KEY_BIT | ((key + 1) & (_KEY_BIT - 1))
+  used.add(key)
+  return key
+
+
+def task_graph(graph_def, task, shares, outputs, output_copies, routes, tensor_type,
                timeout_seconds=None):
   """(GraphDef, TaskPart): the part of the whole-mesh `graph_def` that `task`
   runs (see the module doc).
 
   shares: {input: (begin, shape)} from input_shares; outputs: the output
   names; output_copies: {output: [[device, local tensor]]} (materialize's
-  record); tensor_type(node, port) -> (dtype enum, local shape) of a tensor
-  that crosses tasks."""
-  return _Extraction(graph_def, task, shares, outputs, output_copies, tensor_type,
+  record, of the devices made); routes: output_routes' answer;
+  tensor_type(node, port) -> (dtype enum, local shape) of a tensor that
+  crosses tasks."""
+  return _Extraction(graph_def, task, shares, outputs, output_copies, routes, tensor_type,
                      timeout_seconds).run()
 
 
