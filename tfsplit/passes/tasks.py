@@ -6,8 +6,14 @@ hold each output)."""
 from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
+from tfsplit.graph.ir import parse_input
 from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding import tasks as tasks_lib
+
+# Ops whose output 0 has the type and shape of their input 0.
+_SAME_AS_FIRST_INPUT = frozenset(["Identity", "Snapshot", "CollectiveReduceV2"])
+# Ops whose output has their inputs' shape when all inputs have one shape.
+_ELEMENTWISE_SUMS = frozenset(["AddV2", "Add", "AddN"])
 
 
 def extract_task(state):
@@ -35,6 +41,19 @@ def extract_task(state):
         shape = list(info.shape) if spec is None else \
             spec.local_shape(info.shape, mesh, f"tensor '{name}:{port}'")
         return info.dtype, shape
+    if not nodes_found:
+      nodes_found.update((n.name, n) for n in out.graph_def.node)
+    node = nodes_found.get(name)
+    if node is not None and port == 0 and node.input:
+      # Resharding's reductions, forwards and micro-batch sums: their
+      # inputs' type, found without importing the whole graph into TF.
+      data = [parse_input(t) for t in node.input if not t.startswith("^")]
+      if node.op in _SAME_AS_FIRST_INPUT:
+        return tensor_type(*data[0])
+      if node.op in _ELEMENTWISE_SUMS:
+        found = [tensor_type(*t) for t in data]
+        if found[0][1] is not None and all(f == found[0] for f in found):
+          return found[0]
     if not imported:
       imported.append(_imported(out.graph_def))
     t = imported[0].get_tensor_by_name(f"{name}:{port}")
@@ -42,6 +61,7 @@ def extract_task(state):
                                       else None)
 
   imported = []   # the whole graph in TF, for shapes no record gives
+  nodes_found = {}
 
   routes = tasks_lib.output_routes(mesh, out.output_holders, constants.PIPELINE_AXIS)
   graph_def, part = tasks_lib.task_graph(

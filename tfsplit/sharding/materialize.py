@@ -73,6 +73,7 @@ class _Materializer(object):
     # ones (to a host, after this) must not be read where they were.
     self.unmerged = frozenset(graph_outputs(graph)) | frozenset(moved)
     self.constants = {}      # (device, constant_key) -> the local copy made first
+    self._block_cache = {}   # split axes -> each device's coordinates on them
 
   def lname(self, name, d):
     """Node `name`'s copy as device d sees it (its stage's; shared ones aliased)."""
@@ -119,7 +120,8 @@ class _Materializer(object):
       current = self.r.reshard(current, self.place.ids_for(src), self.shapes[src][port], have,
                                want, src, port, consumer, ordered)
       stage = self.place.stage(src)
-      self.reshards[key] = [current[self.place.on_stage(d, stage)] for d in range(self.mesh.size)]
+      self.reshards[key] = current if stage is None else \
+          [current[c] for c in self.place.stage_map(stage)]
     return self.reshards[key]
 
   # --- nodes ------------------------------------------------------------------------
@@ -130,9 +132,12 @@ class _Materializer(object):
     shards, offsets = [], {}
     split_axes = [axis for axis in spec.dims if axis is not None]
     made = set(self.place.ids_for(node.name))
+    blocks = self._blocks(tuple(split_axes))
+    devices, shard_shape = self.mesh.devices, list(local_shape)
     for d in self.place.all_ids_for(node.name):  # the manifest names every task's
       if self.r.rep(d) != d:  # micro-batches share their device's variables
-        self.alias[(node.name, d)] = self.lname(node.name, self.r.rep(d))
+        if d in made:
+          self.alias[(node.name, d)] = self.lname(node.name, self.r.rep(d))
         continue
       shard_name = shard_variable_name(info.name, d)
       if d in made:
@@ -142,14 +147,24 @@ class _Materializer(object):
         self.b.mark_shared(new.name)
       # A shard's offsets depend only on its coordinates on the split axes:
       # found once per block, not once per replica.
-      block = tuple(self.mesh.coord_of(d, axis) for axis in split_axes)
+      block = blocks[d]
       if block not in offsets:
         offsets[block] = list(spec.offsets(info.shape, self.mesh, d, f"variable '{info.name}'"))
-      shards.append({"name": shard_name, "device": self.mesh.devices[d], "device_id": d,
-                     "offsets": list(offsets[block]), "shape": list(local_shape)})
+      # Shards of a block share its offsets and shape lists (read-only).
+      shards.append({"name": shard_name, "device": devices[d], "device_id": d,
+                     "offsets": offsets[block], "shape": shard_shape})
     self.manifest[info.name] = {"dtype": info.dtype_name, "shape": list(info.shape),
                                 "trainable": info.trainable, "sharding": list(spec.dims),
                                 "shards": shards}
+
+  def _blocks(self, axes):
+    """Each device's coordinates on `axes` (the block of a variable split
+    over them), found once per set of axes rather than per variable."""
+    found = self._block_cache.get(axes)
+    if found is None:
+      found = [tuple(self.mesh.coord_of(d, a) for a in axes) for d in range(self.mesh.size)]
+      self._block_cache[axes] = found
+    return found
 
   def graph_input(self, node):
     """Graph inputs keep their name; each device reads its block of them."""
@@ -272,7 +287,7 @@ class _Materializer(object):
       seen.setdefault(local[d], d)
     self.output_copies[name] = [[self.mesh.devices[d], t]
                                 for d, t in sorted((d, t) for t, d in seen.items())]
-    self.output_holders[name] = self.place.all_ids_for(name)
+    self.output_holders[name] = list(self.place.all_ids_for(name))
     # Control inputs from every device's copy: a collective member that no
     # fetched node depends on is pruned, and its peers would wait forever.
     ids = range(self.mesh.size) if self.place.only is None else sorted(self.place.only)

@@ -19,18 +19,30 @@ class Placement(object):
     self.stage_of = stage_of or {}
     self.stages = mesh.axes.get(constants.PIPELINE_AXIS, 1)
     self._by_stage = {}
+    self._counterparts = {}
 
   def stage(self, name):
     return self.stage_of.get(name, 0) % self.stages if self.pp else None
 
   def on_stage(self, d, stage):
     """Device d's counterpart on `stage` (same other coordinates)."""
-    if self.pp is None or stage is None or self.mesh.coord(d, self.pp) == stage:
+    if self.pp is None or stage is None:
       return d
-    return self.mesh.device_id({**self.mesh.coords(d), self.pp: stage})
+    return self.stage_map(stage)[d]
+
+  def stage_map(self, stage):
+    """Every device's counterpart on `stage`, found once per stage (asked
+    for each device of each tensor, on a mesh as large as a cluster)."""
+    found = self._counterparts.get(stage)
+    if found is None:
+      found = [d if self.mesh.coord(d, self.pp) == stage else
+               self.mesh.device_id({**self.mesh.coords(d), self.pp: stage})
+               for d in range(self.mesh.size)]
+      self._counterparts[stage] = found
+    return found
 
   def all_ids_for(self, name):
-    """Devices holding a copy of node `name`, on every task."""
+    """Devices holding a copy of node `name`, on every task (a tuple: shared)."""
     return self._ids(self.stage(name))[0]
 
   def ids_for(self, name):
@@ -42,8 +54,8 @@ class Placement(object):
     stage, the mesh being as large as a cluster."""
     found = self._by_stage.get(stage)
     if found is None:
-      every = [d for d in range(self.mesh.size)
-               if stage is None or self.mesh.coord(d, self.pp) == stage]
-      found = (every, every if self.only is None else [d for d in every if d in self.only])
+      every = tuple(d for d in range(self.mesh.size)
+                    if stage is None or self.mesh.coord(d, self.pp) == stage)
+      found = (every, every if self.only is None else tuple(d for d in every if d in self.only))
       self._by_stage[stage] = found
-    return list(found[0]), list(found[1])
+    return found

@@ -72,6 +72,7 @@ class Resharder(object):
     self.instance_key = (instance_seed & 0x0FFFFFFF) << 2
     # Local axes (micro-batches): all members of a group on one device.
     self.local_axes = [a for a in mesh.axis_names if mesh.is_local(a) and mesh.axes[a] > 1]
+    self._rep_table = None
     self.collectives = []
     self.local_sums = []   # per running sum to order micro-batches by: {device id: tensor}
     # CollectiveReduceScatterV2 has an NCCL kernel only; elsewhere a
@@ -83,10 +84,23 @@ class Resharder(object):
     """The device id with every local-axis coordinate 0."""
     if not self.local_axes:
       return device_id
-    coords = self.mesh.coords(device_id)
-    for a in self.local_axes:
-      coords[a] = 0
-    return self.mesh.device_id(coords)
+    return self._reps()[0][device_id]
+
+  def _reps(self):
+    """(rep of each device, the devices sharing each rep): made once, every
+    transition asking for each device of a mesh as large as a cluster."""
+    if self._rep_table is None:
+      reps = []
+      for d in range(self.mesh.size):
+        coords = self.mesh.coords(d)
+        for a in self.local_axes:
+          coords[a] = 0
+        reps.append(self.mesh.device_id(coords))
+      sharers = {}
+      for d, r in enumerate(reps):
+        sharers.setdefault(r, []).append(d)
+      self._rep_table = (reps, sharers)
+    return self._rep_table
 
   def uses_local_axis(self, spec):
     if spec is None:
@@ -98,7 +112,7 @@ class Resharder(object):
     if not self.local_axes:
       return False
     r = self.rep(d)
-    return all(current[x] == current[r] for x in range(self.mesh.size) if self.rep(x) == r)
+    return all(current[x] == current[r] for x in self._reps()[1][r])
 
   def _note_shared(self, current, d, name):
     if self._same_for_all_microbatches(current, d):
