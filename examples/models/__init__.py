@@ -32,12 +32,13 @@ def config_of(name, size="tiny"):
   return example.config_for(family, size)
 
 
-def build(name, size="tiny", seed=0, batch_size=None, **config):
+def build(name, size="tiny", seed=0, batch_size=None, precision=None, **config):
   """Builds example `name` at `size`; returns an ExampleModel.
 
   batch_size overrides the size's default (static) batch size; `config`
   overrides other fields of the size's config (hidden=512, blocks=2, ...;
-  not for the corpus models).
+  not for the corpus models). precision (corpus models only):
+  'mixed_bfloat16' or 'mixed_float16' (corpus.PRECISIONS).
   """
   from . import example  # pylint: disable=import-outside-toplevel
   family, flavor = example.split_name(name)
@@ -46,7 +47,9 @@ def build(name, size="tiny", seed=0, batch_size=None, **config):
     if config:
       raise TypeError(f"{name}: the corpus models take no config overrides")
     from . import corpus  # pylint: disable=import-outside-toplevel
-    ex = corpus.build(name, size, seed, batch_size)
+    ex = corpus.build(name, size, seed, batch_size, precision)
+  elif precision is not None:
+    raise TypeError(f"{name}: precision is for the corpus models")
   elif flavor == "raw":
     cfg = example.config_for(family, size, batch_size, overrides=config)
     from . import raw  # pylint: disable=import-outside-toplevel

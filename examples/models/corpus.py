@@ -699,8 +699,45 @@ def _call(model, cfg, inputs, training):
   return out if cfg.experts else (out, None)
 
 
-def build(name, size="tiny", seed=0, batch_size=None):
-  """An ExampleModel for corpus model `name` ('<family>_<keras3|tfkeras>')."""
+PRECISIONS = ("mixed_bfloat16", "mixed_float16")
+
+
+def _policy(K, precision):
+  """Context: Keras's global dtype policy set to `precision` (None: as is)
+  while the model's layers are made (each layer keeps the policy it was
+  made under)."""
+  import contextlib  # pylint: disable=import-outside-toplevel
+  if precision is None:
+    return contextlib.nullcontext()
+  if precision not in PRECISIONS:
+    raise TfsplitError(f"unknown precision '{precision}'; choose one of "
+                       f"{', '.join(PRECISIONS)}")
+  mp = K.mixed_precision
+
+  @contextlib.contextmanager
+  def scoped():
+    if K.__name__ == "keras":
+      before = mp.dtype_policy()
+      mp.set_dtype_policy(precision)
+    else:
+      before = mp.global_policy()
+      mp.set_global_policy(precision)
+    try:
+      yield
+    finally:
+      if K.__name__ == "keras":
+        mp.set_dtype_policy(before)
+      else:
+        mp.set_global_policy(before)
+  return scoped()
+
+
+def build(name, size="tiny", seed=0, batch_size=None, precision=None):
+  """An ExampleModel for corpus model `name` ('<family>_<keras3|tfkeras>').
+
+  precision: None (float32), 'mixed_bfloat16' (bf16 compute, float32
+  weights and Adam) or 'mixed_float16' (float16 compute, float32 weights,
+  the step under Keras's LossScaleOptimizer with a dynamic scale)."""
   family, _, flavor = name.partition("_")
   if name not in NAMES:
     raise TfsplitError(f"unknown corpus model '{name}'; choose one of "
@@ -710,11 +747,12 @@ def build(name, size="tiny", seed=0, batch_size=None):
   else:
     import tf_keras as K  # pylint: disable=import-outside-toplevel
   cfg = config_for(family, size, batch_size)
-  model = _define(K)[family](cfg)
   fwd_sig, train_sig = signatures(cfg)
-  # One eager call creates every weight with its final (static) shape.
-  _call(model, cfg, [np.zeros(s.shape, s.dtype.as_numpy_dtype)
-                     for s in fwd_sig], training=False)
+  with _policy(K, precision):
+    model = _define(K)[family](cfg)
+    # One eager call creates every weight with its final (static) shape.
+    _call(model, cfg, [np.zeros(s.shape, s.dtype.as_numpy_dtype)
+                       for s in fwd_sig], training=False)
 
   keras3 = K.__name__ == "keras"
   tape_vars = list(model.trainable_variables)
@@ -728,6 +766,14 @@ def build(name, size="tiny", seed=0, batch_size=None):
   common.init_weights(named, seed)
 
   optimizer = K.optimizers.Adam(learning_rate=cfg.lr, name="adam")
+  scaled = precision == "mixed_float16"
+  if scaled:
+    # A small initial scale: tiny models overflow fp16 at Keras's 2**15
+    # only by luck; the dynamic scale still grows and halves.
+    if keras3:
+      optimizer = K.optimizers.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 10)
+    else:
+      optimizer = K.mixed_precision.LossScaleOptimizer(optimizer, initial_scale=2.0 ** 10)
   optimizer.build(tape_vars)  # slots exist before tracing
   if keras3:
     opt_vars = lambda: [(v.path, common.tf_variable(v))
@@ -735,7 +781,7 @@ def build(name, size="tiny", seed=0, batch_size=None):
   else:
     # tf_keras keeps the learning-rate variable out of variables(), but the
     # train step reads it.
-    lr = getattr(optimizer, "_learning_rate", None)
+    lr = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)
     extra = [lr] if isinstance(lr, tf.Variable) else []
     opt_vars = lambda: [(f"adam/{common.strip_port(v.name)}", v)
                         for v in list(optimizer.variables()) + extra]
@@ -749,10 +795,17 @@ def build(name, size="tiny", seed=0, batch_size=None):
     inputs, labels = args[:-1], args[-1]
     with tf.GradientTape() as tape:
       logits, aux = _call(model, cfg, inputs, training=True)
-      loss = common.sparse_xent(labels, logits)
+      # The loss in float32 (Keras's advice under a mixed policy).
+      loss = common.sparse_xent(labels, tf.cast(logits, tf.float32))
       if aux is not None:
-        loss = loss + cfg.aux_coef * aux
-    grads = tape.gradient(loss, tape_vars)
+        loss = loss + cfg.aux_coef * tf.cast(aux, tf.float32)
+      if scaled:
+        target = optimizer.scale_loss(loss) if keras3 else optimizer.get_scaled_loss(loss)
+      else:
+        target = loss
+    grads = tape.gradient(target, tape_vars)
+    if scaled and not keras3:
+      grads = optimizer.get_unscaled_gradients(grads)
     optimizer.apply_gradients(zip(grads, tape_vars))
     return loss
 

@@ -36,6 +36,17 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+# The computing precisions below float32: a training step in them is
+# compared the reduced-precision way (REDUCED_PRECISION in the module doc).
+REDUCED_PRECISIONS = ("bfloat16", "float16")
+# How many times the precision's own spread (the reference in float32
+# against the reference in its precision, RMS over the shard) a split run's
+# RMS update error may be. Seen on Keras 3 mixed_bfloat16 decoders: up to
+# ~9x on one tensor at tp=2 (the split's extra roundings of partial sums,
+# amplified by Adam on a near-cancelled gradient), median 1x; a shard 10%
+# wrong is 20x or more on every tensor with signal.
+RMS_NOISE_FACTOR = 12.0
+
 DEFAULT_RTOL = 1e-4
 # Updates are compared against the tensor's largest update. Adam divides by
 # sqrt(v) + eps, so an element with a near-zero, cancellation-heavy gradient
@@ -162,8 +173,36 @@ def _slices(shard):
   return tuple(slice(o, o + s) for o, s in zip(shard["offsets"], shard["shape"]))
 
 
+def _rms(x):
+  x = np.asarray(x, np.float64)
+  return float(np.sqrt(np.mean(np.square(x)))) if x.size else 0.0
+
+
+def compare_rms(what, got, want, start, spread, update_rtol=DEFAULT_UPDATE_RTOL,
+                size=None):
+  """The reduced-precision update comparison of one shard: the RMS of
+  got - want against `update_rtol` times the RMS of the shard's update
+  (want - start) plus RMS_NOISE_FACTOR times the RMS of `spread` (the
+  float32 reference minus the reference, over the shard). Elementwise
+  maxima say nothing here: rounding a near-zero gradient in 8 bits flips
+  the sign of that element's Adam step. A shard that is wrong as a whole
+  moves the RMS by the share it is wrong by."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if got.shape != want.shape:
+    return Comparison("update", what, float("inf"), 0.0, 0.0,
+                      f"shape {list(got.shape)}, expected {list(want.shape)}")
+  if not want.size:
+    return Comparison("update", what, 0.0, 0.0, 0.0)
+  err = _rms(got - want) if np.isfinite(got).all() else float("nan")
+  scale = max(_rms(want - np.asarray(start, np.float64)),
+              DEFAULT_RTOL * (size or 0.0), _floor(np.float32))
+  noise_rms = _rms(spread) if spread is not None else 0.0
+  tolerance = update_rtol * scale + RMS_NOISE_FACTOR * noise_rms
+  return Comparison("update", what, err, scale, tolerance, "RMS over the shard")
+
+
 def compare_variables(manifest, start, want, shard_values, alternative=None,
-                      rtol=DEFAULT_RTOL, update_rtol=DEFAULT_UPDATE_RTOL):
+                      rtol=DEFAULT_RTOL, update_rtol=DEFAULT_UPDATE_RTOL, precision=None):
   """Comparisons of every shard of every variable with the reference.
 
   manifest: {variable: {"shape", "shards": [{"name", "device", "offsets",
@@ -171,7 +210,16 @@ def compare_variables(manifest, start, want, shard_values, alternative=None,
   start / want / alternative: {variable: full value} before the run, after the
     reference run, and after the reversed-batch reference run (or None).
   shard_values: {shard name: value} after the split run.
+  precision: the step's computing precision; one of REDUCED_PRECISIONS
+    compares updates by RMS per shard (compare_rms) against the spread
+    `alternative` gives, which must then be the float32 reference's
+    variables; elementwise values are only held to within one largest
+    update (a gross error), copies as in float32.
   """
+  reduced = precision in REDUCED_PRECISIONS
+  if reduced and alternative is None:
+    raise ValueError(f"comparing a {precision} step needs its float32 reference "
+                     "(alternative)")
   out = []
   for name in sorted(want):
     if manifest is not None and name in manifest:
@@ -207,6 +255,15 @@ def compare_variables(manifest, start, want, shard_values, alternative=None,
         # bias or Adam moment that starts at zero is all update: Adam turns
         # rounding in a near-zero gradient into a visible part of its step).
         value_scale = max(value_scale, update_scale * update_rtol / rtol)
+      if reduced and update_scale is not None:
+        gross = compare("value", where, got, w[sl], rtol, noise_abs, scale=size, size=size)
+        gross.tolerance += update_scale
+        gross.note = gross.note or "within one largest update"
+        out.append(gross)
+        spread = None if alt is None else np.asarray(alt, np.float64)[sl] - w64[sl]
+        out.append(compare_rms(where, got, w[sl], s[sl], spread, update_rtol, size))
+        by_block.setdefault(tuple((x.start, x.stop) for x in sl), []).append((device, got))
+        continue
       out.append(compare("value", where, got, w[sl], rtol, noise_abs, scale=value_scale,
                          size=size))
       if update_scale is not None:
@@ -226,6 +283,7 @@ class Report:
   rtol: float
   noise_estimated: bool = False
   update_rtol: float = DEFAULT_UPDATE_RTOL
+  precision: str = "float32"   # a reduced one: comparisons of both runs (verify.py)
 
   @property
   def ok(self):
@@ -272,6 +330,10 @@ class Report:
                   f"{self.update_rtol:g} of its largest update")
     if self.noise_estimated:
       noise_note += f", + {NOISE_FACTOR:g}x the reference's own rounding noise"
+    if self.precision in REDUCED_PRECISIONS:
+      noise_note += (f"; in {self.precision}, each shard's RMS update error within "
+                     f"{RMS_NOISE_FACTOR:g}x the {self.precision} reference's RMS spread "
+                     "from float32")
     if failures:
       lines.append(f"MISMATCH: {len(failures)} of {len(self.comparisons)} comparisons "
                    f"fail, worst {self.worst().what}; {noise_note}")

@@ -6,6 +6,12 @@ training step updates its variables each time). Every output (every device's
 copy of it), every shard of every variable, and every variable's update are
 compared by `tfsplit.runtime.compare`; the original runs a second time on the
 batch in reverse order to measure its own rounding noise.
+
+A graph computing in bfloat16 or float16 is verified twice: both graphs
+raised to float32 (graph/precision.py), which must agree as any float32
+split does (a wrong shard is wrong there too), and both as they are, each
+shard's update within RMS_NOISE_FACTOR times the precision's own spread
+(the raised original's result against the original's).
 """
 import collections
 import hashlib
@@ -15,6 +21,7 @@ import tensorflow as tf
 
 from tfsplit.errors import TfsplitError
 from tfsplit.graph import Graph, load_graph
+from tfsplit.graph import precision as precision_lib
 from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.passes import manifest as manifest_lib
 from tfsplit.runtime import compare as compare_lib
@@ -126,6 +133,7 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   """
   original = load_graph(original) if not hasattr(original, "node") else original
   rewritten = load_graph(rewritten) if not hasattr(rewritten, "node") else rewritten
+  manifest_arg = manifest
   if isinstance(manifest, str):
     manifest = manifest_lib.read(manifest)
   output_copies = {}
@@ -148,9 +156,23 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   def fresh(named_values):
     return {k: tf.Variable(v) for k, v in named_values.items()}
 
+  precision = precision_lib.compute_precision(original)
+  raised = None
+  if precision in compare_lib.REDUCED_PRECISIONS:
+    # Exactness is checked on both graphs raised to float32; the run in
+    # their own precision is held to the precision's spread (the float32
+    # reference against the reference), per shard by RMS.
+    raised = verify(precision_lib.promoted(original), precision_lib.promoted(rewritten),
+                    manifest_arg, steps, seed, rtol, int_max, every_step, update_rtol,
+                    cluster, timeout_seconds)
+    want32 = _reference(precision_lib.promoted(original), values, inputs, steps,
+                        len(outputs), fresh)[0]
+
   from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   on_cluster = cluster_lib.cluster_for_graph(rewritten, cluster)
   want, alt, use_noise = _reference(original, values, inputs, steps, len(outputs), fresh)
+  if raised is not None:
+    alt, use_noise = want32, True
   copies = [(name, d, tensor) for name in outputs for d, tensor in output_copies.get(name, [])]
   fetch = outputs + [t for _, _, t in copies]
   if on_cluster is not None:
@@ -181,12 +203,19 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
       comparisons.extend(compare_lib.compare_copies(what, mine, rtol, noise_abs))
     if every_step or step == steps - 1:
       found = compare_lib.compare_variables(manifest, values, w_vars, g_vars, a_vars, rtol,
-                                            update_rtol)
+                                            update_rtol, None if raised is None else precision)
       if every_step:
         for c in found:
           c.what = f"after step {step + 1}: {c.what}"
       comparisons.extend(found)
-  return compare_lib.Report(comparisons, rtol, use_noise, update_rtol)
+  if raised is None:
+    return compare_lib.Report(comparisons, rtol, use_noise, update_rtol)
+  for c in raised.comparisons:
+    c.what = f"float32: {c.what}"
+  for c in comparisons:
+    c.what = f"{precision}: {c.what}"
+  return compare_lib.Report(raised.comparisons + comparisons, rtol, raised.noise_estimated,
+                            update_rtol, precision)
 
 
 def verify_files(original, rewritten, manifest=None, signature=None, variables=None,
