@@ -117,11 +117,52 @@ def test_bf16_split_is_exact_to_its_precision(mesh):
     ("bert_keras3", "mixed_bfloat16", "tp=2", 1),
     ("bert_keras3", "mixed_bfloat16", "dp=2,tp=2", 1),
     ("causallm_keras3", "mixed_float16", "dp=2", 1),
+    ("llama_keras3", "mixed_bfloat16", "tp=2", 1),
+    ("llama_tfkeras", "mixed_bfloat16", "dp=2,tp=2", 1),
+    ("causallm_tfkeras", "mixed_bfloat16", "tp=2", 1),
+    ("bert_tfkeras", "mixed_float16", "dp=2", 1),
+    ("vit_keras3", "mixed_bfloat16", "tp=2", 1),
 ])
 def test_mixed_precision_meshes(name, precision, mesh, microbatches):
   original = _graph(name, precision)
   rewritten, manifest = _split(original, mesh, microbatches)
   _check(verify(original, rewritten, manifest, steps=3), f"{name} {precision} {mesh}")
+
+
+def _raw_bf16_step():
+  """A two-layer MLP step written in raw TF that casts to bfloat16 by hand:
+  float32 weights, bf16 matmuls, the loss and plain SGD in float32."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  w1 = tf.Variable(rng.standard_normal((32, 64)).astype(np.float32) * 0.1, name="w1")
+  b1 = tf.Variable(np.zeros(64, np.float32), name="b1")
+  w2 = tf.Variable(rng.standard_normal((64, 16)).astype(np.float32) * 0.1, name="w2")
+  variables = [w1, b1, w2]
+
+  @tf.function(input_signature=[tf.TensorSpec([16, 32], tf.float32),
+                                tf.TensorSpec([16], tf.int32)], autograph=False)
+  def step(x, labels):
+    with tf.GradientTape() as tape:
+      h = tf.matmul(tf.cast(x, tf.bfloat16), tf.cast(w1, tf.bfloat16)) + \
+          tf.cast(b1, tf.bfloat16)
+      h = tf.nn.gelu(h)
+      logits = tf.matmul(h, tf.cast(w2, tf.bfloat16))
+      loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=tf.cast(logits, tf.float32)))
+    for v, g in zip(variables, tape.gradient(loss, variables)):
+      v.assign_sub(0.1 * g)
+    return loss
+
+  return load_graph(step.get_concrete_function(),
+                    variable_names=[(v, v.name.split(":")[0]) for v in variables])
+
+
+@pytest.mark.parametrize("mesh", ["tp=2", "dp=2,tp=2"])
+def test_raw_tf_step_cast_to_bf16_by_hand(mesh):
+  original = _raw_bf16_step()
+  assert precision_lib.compute_precision(original) == "bfloat16"
+  rewritten, manifest = _split(original, mesh)
+  _check(verify(original, rewritten, manifest, steps=3), mesh)
 
 
 def _scale_step(graph_def, manifest, variable):

@@ -293,7 +293,9 @@ def _define(K):
       h = self.backbone(tokens, training=training)
       with tf.name_scope("lm_head"):
         emb = tf.convert_to_tensor(self.backbone.token_embeddings)
-        return tf.matmul(h, emb, transpose_b=True)
+        # Under a mixed policy the float32 matrix meets 16-bit activations
+        # (a no-op cast in float32).
+        return tf.matmul(h, tf.cast(emb, h.dtype), transpose_b=True)
 
   def causallm(cfg):
     return CausalLM(backbone=Backbone(cfg, name="backbone"), name="causallm")
@@ -331,6 +333,7 @@ def _define(K):
     """x * cos + rotate_half(x) * sin on [b, heads, seq, head_dim]."""
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = tf.cast(cos, x.dtype), tf.cast(sin, x.dtype)  # no-ops in float32
     return x * cos + tf.concat([-x2, x1], axis=-1) * sin
 
   class GroupedQueryAttention(layers.Layer):
@@ -594,7 +597,7 @@ def _define(K):
       k = split_heads(self.k(x), nh, hd, "k")
       v = split_heads(self.v(x), nh, hd, "v")
       scores = tf.matmul(q, k, transpose_b=True) * (1.0 / np.sqrt(hd))
-      probs = tf.nn.softmax(scores + additive_mask, axis=-1)
+      probs = tf.nn.softmax(scores + tf.cast(additive_mask, scores.dtype), axis=-1)
       return self.o(merge_heads(tf.matmul(probs, v)))
 
   class BertBlock(layers.Layer):

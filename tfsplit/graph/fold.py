@@ -11,6 +11,7 @@ import numpy as np
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import node_def_pb2
+from tensorflow.core.framework import types_pb2
 from tensorflow.core.protobuf import config_pb2
 from tensorflow.core.protobuf import rewriter_config_pb2
 from tensorflow.python.framework import op_def_registry
@@ -20,6 +21,7 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import Graph, parse_input
 
 _SHAPE_OPS = frozenset(["Shape", "Size", "Rank", "ShapeN"])
+_REDUCED_FLOATS = frozenset([types_pb2.DT_BFLOAT16, types_pb2.DT_HALF])
 _MAX_ELEMENTS = 4096
 _SIZE_UNKNOWN_OK = frozenset(["BroadcastGradientArgs", "Where", "Unique", "Range"])  # never fold anything but small metadata tensors
 _NEVER_FOLD = frozenset(["Placeholder", "PlaceholderWithDefault", "VarHandleOp",
@@ -87,6 +89,12 @@ def _fold(graph, shapes, expand):
     # reduction axes from BroadcastGradientArgs) is small by nature.
     if not outs or (op not in _SIZE_UNKNOWN_OK and any(
         o.num_elements is None or o.num_elements > _MAX_ELEMENTS for o in outs)):
+      continue
+    # A 16-bit float stays computed at run time (its wider inputs folded):
+    # folded, it would be stored rounded, and the graph raised to float32
+    # to check a mixed-precision split (graph/precision.py) could not
+    # recover the value the original computes.
+    if any(o.dtype in _REDUCED_FLOATS for o in outs):
       continue
     data = graph.data_inputs(name)
     if op in _SHAPE_OPS:
