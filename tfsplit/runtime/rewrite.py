@@ -119,6 +119,11 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                f"{result.count('local_sum')} micro-batch sums, "
                f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} "
                "fallback(s) to replication")
+  moved = _bytes_by_dtype(result.collectives)
+  if moved:
+    lines.append("  collective tensors: " + "; ".join(
+        f"{kind} {', '.join(f'{mb:.3g} MB {dtype}' for dtype, mb in by_dtype)}"
+        for kind, by_dtype in moved))
   buckets = [c for c in result.collectives if c.kind == "bucket"]
   if buckets:
     per_group = collections.Counter(c.devices for c in buckets)
@@ -150,6 +155,19 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
 def _ops_per_device(counts):
   low, high = min(counts.values()), max(counts.values())
   return f"{high}" if low == high else f"{low}-{high}"
+
+
+def _bytes_by_dtype(collectives):
+  """[(kind, [(dtype name, MB)])]: the global size of the tensors each kind
+  of collective moves, per dtype (a bf16 activation half a float32 one)."""
+  from tensorflow.python.framework import dtypes  # pylint: disable=import-outside-toplevel
+  totals = collections.defaultdict(lambda: collections.defaultdict(float))
+  for c in collectives:
+    if getattr(c, "dtype", 0) and c.kind in ("all_reduce", "reduce_scatter", "all_gather",
+                                             "all_to_all"):
+      dtype = dtypes.as_dtype(c.dtype)
+      totals[c.kind][dtype.name] += c.num_elements * dtype.size / 1e6
+  return [(kind, sorted(by.items())) for kind, by in sorted(totals.items())]
 
 
 def _ops_per_device_line(graph_def, result):

@@ -56,6 +56,7 @@ class CollectiveRecord:
   # dimension 0) is known and recorded with them.
   units: Optional[Dict[int, Tuple[str, str]]] = None
   unit_shape: Optional[Tuple[int, ...]] = None
+  dtype: int = 0     # DataType enum of what travels (0: not recorded)
 
 
 class Resharder(object):
@@ -262,7 +263,8 @@ class Resharder(object):
         info.dtype != types_pb2.DT_BOOL and units
     self.collectives.append(CollectiveRecord(
         kind, axis, tensor(src, port), consumer, info.num_elements or 0,
-        units if bucketable else None, shape if bucketable else None))
+        units if bucketable else None, shape if bucketable else None,
+        types_pb2.DT_INT32 if info.dtype == types_pb2.DT_BOOL else info.dtype))
     return out
 
   def _all_reduce(self, current, ids, info, axis, what):
