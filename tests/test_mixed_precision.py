@@ -162,6 +162,7 @@ def test_raw_tf_step_cast_to_bf16_by_hand(mesh):
   original = _raw_bf16_step()
   assert precision_lib.compute_precision(original) == "bfloat16"
   rewritten, manifest = _split(original, mesh)
+  assert any(any(e["sharding"]) for e in manifest["variables"].values())
   _check(verify(original, rewritten, manifest, steps=3), mesh)
 
 
@@ -249,3 +250,31 @@ def test_rewrite_and_verify_a_bf16_graph_file(tmp_path, capsys):
   stdout = capsys.readouterr().out
   assert "in bfloat16, each shard's RMS update error" in stdout
   assert stdout.strip().splitlines()[-1].startswith("OK")
+
+
+def test_loss_scale_drop_skips_the_step_on_every_replica():
+  """mixed_float16 under LossScaleOptimizer at dp=2: a scale that overflows
+  float16 skips the update on every replica and halves the scale on every
+  replica, as the unsplit step does."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  import models  # pylint: disable=import-outside-toplevel
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  ex = models.build("causallm_keras3", "tiny", seed=0, precision="mixed_float16")
+  scale = next(v for v in ex.optimizer.variables if v.path.endswith("dynamic_scale"))
+  scale.assign(2.0 ** 40)
+  start = {n: v.numpy().copy() for v, n in names(ex)}
+  step = tfsplit.split(ex.train_step, input_signature=ex.train_signature,
+                       variable_names=names(ex), timeout_seconds=TIMEOUT, mesh="dp=2")
+  inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=11)]
+  split_loss = float(step(*inputs))
+  values = step.shard_values()
+  scale_name = next(n for v, n in names(ex) if v is scale or n.endswith("dynamic_scale"))
+  scales = [values[s["name"]] for s in step.manifest[scale_name]["shards"]]
+  assert len(scales) == 2 and all(s == 2.0 ** 39 for s in scales), scales
+  for name, entry in step.manifest.items():
+    if "backbone" in name and "adam" not in name:
+      for shard in entry["shards"]:
+        np.testing.assert_array_equal(values[shard["name"]], start[name], err_msg=name)
+  want_loss = float(ex.train_step(*inputs))
+  assert scale.numpy() == 2.0 ** 39
+  np.testing.assert_allclose(split_loss, want_loss, rtol=1e-3)
