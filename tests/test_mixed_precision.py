@@ -278,3 +278,16 @@ def test_loss_scale_drop_skips_the_step_on_every_replica():
   want_loss = float(ex.train_step(*inputs))
   assert scale.numpy() == 2.0 ** 39
   np.testing.assert_allclose(split_loss, want_loss, rtol=1e-3)
+
+
+@pytest.mark.parametrize("spec", ["causallm_keras3:small:mixed_bfloat16"])
+def test_memory_estimate_of_a_bf16_step_within_15_percent_of_allocator_peak(spec):
+  """The graph's memory simulation counts each tensor in its own dtype:
+  2-byte activations, float32 weights and Adam slots."""
+  import bench_estimate  # pylint: disable=import-outside-toplevel
+  r = bench_estimate.run_one(spec, with_time=False)
+  fp32 = bench_estimate.run_one(spec.rsplit(":", 1)[0], with_time=False)
+  assert r["estimated_peak"] == pytest.approx(r["measured_peak"], rel=0.15), r
+  # The bf16 step needs less than the float32 one, in the estimate as on the allocator.
+  assert r["measured_peak"] < fp32["measured_peak"] and \
+      r["estimated_peak"] < fp32["estimated_peak"], (r, fp32)

@@ -85,8 +85,9 @@ PASSES = {
 HOSTED = ("offload",)
 
 
-def measure_one(name, size, steps, with_time):
-  """Measured and estimated figures of one model, as a dict."""
+def measure_one(name, size, steps, with_time, precision=None):
+  """Measured and estimated figures of one model, as a dict (precision: a
+  corpus model's Keras mixed policy, e.g. mixed_bfloat16)."""
   import statistics  # pylint: disable=import-outside-toplevel
   import tensorflow as tf  # pylint: disable=import-outside-toplevel
   import models  # pylint: disable=import-outside-toplevel
@@ -100,7 +101,7 @@ def measure_one(name, size, steps, with_time):
     # with scheduling (the MLP's by +-25% between runs on a loaded 2-core
     # machine). Timing runs keep TF's default threads, as training would.
     tf.config.threading.set_inter_op_parallelism_threads(1)
-  ex = models.build(name, size, seed=0)
+  ex = models.build(name, size, seed=0, precision=precision)
   inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
   ex.train_step(*inputs)  # trace, Grappler, kernels
   # The peak depends on the order TF's inter-op threads run ready ops in,
@@ -110,7 +111,8 @@ def measure_one(name, size, steps, with_time):
     tf.config.experimental.reset_memory_stats("CPU:0")
     ex.train_step(*inputs).numpy()
     peaks.append(tf.config.experimental.get_memory_info("CPU:0")["peak"])
-  out = {"model": f"{name}:{size}", "measured_peak": int(
+  out = {"model": f"{name}:{size}" + (f":{precision}" if precision else ""),
+         "measured_peak": int(
       statistics.median(peaks)), "measured_peaks": peaks}
   graph_def = load_graph(ex.concrete("train"))
   graph = Graph(graph_def)
@@ -334,12 +336,13 @@ def main(argv):
   del argv
   if FLAGS.one:
     name, _, size = FLAGS.one.partition(":")
+    size, _, precision = size.partition(":")   # name:size[:mixed policy]
     if FLAGS.one_pass:
       print(json.dumps(measure_pass(name, size or "small", FLAGS.one_pass,
                                     FLAGS.batch)))
     else:
       print(json.dumps(measure_one(name, size or "small", FLAGS.steps,
-                                   FLAGS.time)))
+                                   FLAGS.time, precision or None)))
     return
   if FLAGS.passes:
     print_passes([run_one(spec, with_time=False, pass_name=p, batch=FLAGS.batch)
