@@ -13,7 +13,6 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
-from tfsplit.errors import UnsupportedOpError
 from tfsplit.graph import load_graph
 from tfsplit.graph import precision as precision_lib
 from tfsplit.graph import variables as variables_lib
@@ -212,12 +211,93 @@ def test_rms_comparison_tells_rounding_from_a_wrong_shard():
                               precision="bfloat16")
 
 
-def test_loss_scale_optimizer_at_tp_is_refused_in_one_line():
-  """The update under LossScaleOptimizer runs inside a functional If; over
-  split variables it has no rule yet (dp=2 splits, above)."""
+@pytest.mark.parametrize("name,mesh,microbatches", [
+    ("causallm_keras3", "tp=2", 1),
+    pytest.param("causallm_keras3", "dp=2,tp=2", 1, marks=pytest.mark.slow),
+    pytest.param("causallm_keras3", "pp=2", 4, marks=pytest.mark.slow),
+    pytest.param("bert_tfkeras", "tp=2", 1, marks=pytest.mark.slow),
+    pytest.param("llama_keras3", "dp=2,tp=2", 1, marks=pytest.mark.slow),
+])
+def test_loss_scale_optimizer_splits_inside_its_conditional(name, mesh, microbatches):
+  """The update under LossScaleOptimizer runs inside a functional If (apply
+  when every gradient is finite); lowered to Switch/Merge, its branches are
+  split like the rest, the predicate global."""
+  original = _graph(name, "mixed_float16")
+  assert not any(n.op in ("If", "StatelessIf") for n in original.node)
+  assert any(n.op == "Switch" for n in original.node)
+  rewritten, manifest = _split(original, mesh, microbatches)
+  _check(verify(original, rewritten, manifest, steps=3), f"{name} {mesh}")
+
+
+def _inf_on_one_shard(graph_def, device_id):
+  """`graph_def` with an inf in what the finite check of a split gradient
+  reads on device `device_id` alone (its update reads the gradient as it is)."""
+  broken = graph_pb2.GraphDef()
+  broken.CopyFrom(graph_def)
+  nodes = {n.name: n for n in broken.node}
+  gathered = {i.split(":")[0] for n in broken.node if n.op == "CollectiveGatherV2"
+              for i in nodes[n.input[0].split(":")[0]].input}
+  check = next(n for n in broken.node if n.op == "IsFinite" and n.name in gathered
+               and n.device.endswith(f"CPU:{device_id}"))
+  const = broken.node.add(name="mutation/inf", op="Const", device=check.device)
+  const.attr["dtype"].type = check.attr["T"].type
+  const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(
+      np.float32(np.inf), dtype=check.attr["T"].type))
+  mul = broken.node.add(name="mutation/overflow", op="Mul", device=check.device,
+                        input=[check.input[0], const.name])
+  mul.attr["T"].type = check.attr["T"].type
+  check.input[0] = mul.name
+  return broken, check.name
+
+
+def _one_step(graph_def, manifest, values, inputs):
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import shards as shards_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
+  variables = shards_lib.create_shard_variables(manifest, values)
+  import_graph(graph_def, variables)(*[tf.constant(x) for x in inputs])
+  return {k: v.numpy() for k, v in variables.items()}
+
+
+def test_an_inf_in_one_shard_skips_the_step_on_every_device():
+  """At tp=2 an overflow in one device's shard of one gradient skips the
+  update on both devices and halves the scale on both: the predicate is the
+  global finite check. Checked against a graph whose device 0 reads its own
+  shard's check only, which then updates alone."""
+  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import seeds  # pylint: disable=import-outside-toplevel
   original = _graph("causallm_keras3", "mixed_float16")
-  with pytest.raises(UnsupportedOpError, match=r"node 'cond' \(op If\)"):
-    _split(original, "tp=2")
+  rewritten, manifest = _split(original, "tp=2")
+  values = seeds.seeded_variable_values(Graph(original), 0)
+  inputs = seeds.seeded_inputs(Graph(original), 0)
+  manifest = manifest["variables"]
+  scale = next(n for n in manifest if n.endswith("dynamic_scale"))
+  kernel = manifest[KERNEL]["shards"]
+
+  def changed(after):
+    return [s["device"][-5:] for s in kernel
+            if not np.array_equal(after[s["name"]], values[KERNEL][
+                tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["shape"]))])]
+
+  ran = _one_step(rewritten, manifest, values, inputs)
+  assert changed(ran) == ["CPU:0", "CPU:1"]
+  broken, check = _inf_on_one_shard(rewritten, 1)
+  skipped = _one_step(broken, manifest, values, inputs)
+  assert changed(skipped) == []
+  assert [skipped[s["name"]] for s in manifest[scale]["shards"]] == \
+      [values[scale] / 2] * len(manifest[scale]["shards"])
+  # A local predicate on device 0 (its own shard's check, not the gathered
+  # one) lets device 0 step while device 1 skips: what the test would catch.
+  local = graph_pb2.GraphDef()
+  local.CopyFrom(broken)
+  local_check = check.replace("shard_1", "shard_0")
+  for node in local.node:
+    if node.op == "All" and node.device.endswith("CPU:0") and \
+        node.input[0].startswith(local_check.rsplit("/", 1)[0] + "/"):
+      # The gather still runs (device 1 waits for it), unread.
+      node.input.extend(["^" + node.input[0].split(":")[0]])
+      node.input[0] = local_check
+  assert changed(_one_step(local, manifest, values, inputs)) == ["CPU:0"]
 
 
 def test_examples_take_the_precision_of_their_policy():

@@ -20,7 +20,7 @@ from tfsplit.errors import GraphLoadError
 from tfsplit.fileio import write_atomically
 from tfsplit.graph import validate as validate_lib
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.functions import inline_functions
+from tfsplit.graph.functions import INLINED_OPS, inline_functions
 from tfsplit.graph.ir import without_gc
 
 TEXT_SUFFIXES = (".pbtxt", ".pbtext", ".txt", ".prototxt")
@@ -220,8 +220,7 @@ def load_graph(source, signature=None, input_signature=None, inline=True,
   traced = not from_file and not isinstance(source, (graph_pb2.GraphDef, str, os.PathLike))
   if validate and not traced:
     validate_graph_def(graph_def, label)
-  if inline and any(n.op in ("PartitionedCall", "StatefulPartitionedCall")
-                    for n in graph_def.node):
+  if inline and any(n.op in INLINED_OPS for n in graph_def.node):
     graph_def = inline_functions(graph_def)
     if validate and not traced:
       validate_graph_def(graph_def, label)

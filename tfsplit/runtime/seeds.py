@@ -21,7 +21,10 @@ def seeded_variable_values(graph, seed=0):
   ~ 1 + N(0, 0.1), so normalised activations are not squashed to zero and
   attention is far from uniform; other state (optimizer slots, learning rate)
   ~ U(0, 1e-3), small enough that the gradient decides each update instead of
-  the seeded moments; integers 0.
+  the seeded moments; integers 0. A loss scale (a float scalar named like
+  Keras's `dynamic_scale` or tf_keras's `current_loss_scale`) is 2**10, the
+  scale a float16 step starts near: a scale of 1e-3 would flush the
+  float16 gradients it scales to zero.
   """
   rng = np.random.RandomState(seed)
   values = {}
@@ -29,8 +32,22 @@ def seeded_variable_values(graph, seed=0):
     if var.shape is None or not var.dtype:
       raise TfsplitError(f"variable '{var.name}' (node '{var.node}') has no known shape "
                          "or dtype; cannot make values for it")
-    values[var.name] = _value(rng, var.shape, tf.as_dtype(var.dtype), var.trainable)
+    dtype = tf.as_dtype(var.dtype)
+    if is_loss_scale(var.name, var.shape, dtype):
+      values[var.name] = np.full(var.shape, LOSS_SCALE, dtype.as_numpy_dtype)
+      continue
+    values[var.name] = _value(rng, var.shape, dtype, var.trainable)
   return values
+
+
+LOSS_SCALE = 2.0 ** 10
+_LOSS_SCALE_NAMES = ("dynamic_scale", "loss_scale")
+
+
+def is_loss_scale(name, shape, dtype):
+  """Whether a variable holds a mixed-precision loss scale."""
+  last = name.rsplit("/", 1)[-1]
+  return dtype.is_floating and not list(shape) and last.endswith(_LOSS_SCALE_NAMES)
 
 
 def seeded_manifest_values(manifest, seed=0):
@@ -40,6 +57,9 @@ def seeded_manifest_values(manifest, seed=0):
   full = {}
   for name, entry in sorted(manifest.items()):
     dtype = tf.as_dtype(entry["dtype"] if entry["dtype"] != "unknown" else "float32")
+    if is_loss_scale(name, entry["shape"], dtype):
+      full[name] = np.full(entry["shape"], LOSS_SCALE, dtype.as_numpy_dtype)
+      continue
     full[name] = _value(rng, entry["shape"], dtype, entry.get("trainable"))
   return shards_lib.shard_values(manifest, full)
 
@@ -51,7 +71,8 @@ def _value(rng, shape, dtype, trainable):
   if trainable is False:
     return rng.uniform(0, 1e-3, shape).astype(dtype.as_numpy_dtype)
   if len(shape) <= 1:
-    return (1 + rng.randn(*shape) * 0.1).astype(dtype.as_numpy_dtype)
+    # randn() of no shape is a Python float: asarray keeps scalars arrays.
+    return np.asarray(1 + rng.randn(*shape) * 0.1).astype(dtype.as_numpy_dtype)
   return (rng.randn(*shape) * 0.1).astype(dtype.as_numpy_dtype)
 
 
