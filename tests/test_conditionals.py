@@ -115,3 +115,22 @@ def test_conds_over_split_variables_train_exactly(mesh):
                   {"variables": result.manifest, "outputs": result.output_copies,
                    "devices": devices}, steps=3, every_step=True)
   report.assert_ok(mesh)
+
+
+def test_folded_constants_in_a_branch_wait_for_its_pivot():
+  """Shape folding keeps a branch's constants dead in the branch not taken:
+  a folded value carries the control inputs its computation had (the
+  pivot), and a Merge of two constant branches is never folded."""
+  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.fold import fold_and_expand  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.shapes import infer_shapes  # pylint: disable=import-outside-toplevel
+  graph_def, _, _ = _graph()
+  graph = Graph(graph_def)
+  folded, _ = fold_and_expand(graph, infer_shapes(graph))
+  merges = {n.name for n in graph_def.node if n.op == "Merge"}
+  assert merges and merges == {n.name for n in folded.node if n.op == "Merge"}
+  branch_consts = [n for n in folded.node if n.op == "Const"
+                   and ("/then/" in n.name or "/else/" in n.name)]
+  assert branch_consts
+  for node in branch_consts:
+    assert any(t.startswith("^") and "/pivot_" in t for t in node.input), node

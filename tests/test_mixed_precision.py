@@ -36,11 +36,12 @@ def _graph(name, precision):
   return _GRAPHS[key]
 
 
-def _split(graph_def, mesh_text, microbatches=1):
+def _split(graph_def, mesh_text, microbatches=1, **options):
   axes = Mesh.parse(mesh_text).axes
   size = int(np.prod(list(axes.values())))
   mesh = Mesh(axes, [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(size)])
-  result = split_graph(graph_def, mesh, timeout_seconds=TIMEOUT, microbatches=microbatches)
+  result = split_graph(graph_def, mesh, timeout_seconds=TIMEOUT, microbatches=microbatches,
+                       **options)
   return result.graph_def, {"variables": result.manifest, "outputs": result.output_copies,
                             "devices": mesh.devices}
 
@@ -126,6 +127,24 @@ def test_mixed_precision_meshes(name, precision, mesh, microbatches):
   original = _graph(name, precision)
   rewritten, manifest = _split(original, mesh, microbatches)
   _check(verify(original, rewritten, manifest, steps=3), f"{name} {precision} {mesh}")
+
+
+@pytest.mark.parametrize("precision,mesh,options", [
+    ("mixed_bfloat16", "tp=2", {"recompute": "blocks"}),
+    ("mixed_bfloat16", "dp=2", {"zero": 1}),
+    pytest.param("mixed_bfloat16", "dp=2,tp=2", {"zero": 2, "recompute": "selective"},
+                 marks=pytest.mark.slow),
+    pytest.param("mixed_bfloat16", "tp=2", {"offload": "optimizer", "offload_device":
+                 "/job:localhost/replica:0/task:0/device:CPU:3"}, marks=pytest.mark.slow),
+    pytest.param("mixed_float16", "dp=2", {"zero": 1}, marks=pytest.mark.slow),
+    pytest.param("mixed_float16", "tp=2", {"recompute": "blocks"}, marks=pytest.mark.slow),
+])
+def test_memory_options_under_mixed_precision(precision, mesh, options):
+  """Recompute, optimizer-state sharding and offload on a 16-bit step: the
+  recomputed forward is bf16 as the original, ZeRO's slots float32."""
+  original = _graph("causallm_keras3", precision)
+  rewritten, manifest = _split(original, mesh, **options)
+  _check(verify(original, rewritten, manifest, steps=3), f"{precision} {mesh} {options}")
 
 
 def _raw_bf16_step():
@@ -229,16 +248,29 @@ def test_loss_scale_optimizer_splits_inside_its_conditional(name, mesh, microbat
   _check(verify(original, rewritten, manifest, steps=3), f"{name} {mesh}")
 
 
+def _finite_checks(graph_def, device_id):
+  """{IsFinite node: the all-reduce of its count} on device `device_id`: the
+  checks of split gradients, whose counts are summed over the shards."""
+  nodes = {n.name: n for n in graph_def.node}
+  found = {}
+  for node in graph_def.node:
+    if node.op == "CollectiveReduceV2" and node.device.endswith(f"CPU:{device_id}"):
+      source = node
+      for _ in range(4):
+        source = nodes[source.input[0].split(":")[0]]
+        if source.op == "IsFinite":
+          found[source.name] = node.name
+          break
+  return found
+
+
 def _inf_on_one_shard(graph_def, device_id):
   """`graph_def` with an inf in what the finite check of a split gradient
   reads on device `device_id` alone (its update reads the gradient as it is)."""
   broken = graph_pb2.GraphDef()
   broken.CopyFrom(graph_def)
-  nodes = {n.name: n for n in broken.node}
-  gathered = {i.split(":")[0] for n in broken.node if n.op == "CollectiveGatherV2"
-              for i in nodes[n.input[0].split(":")[0]].input}
-  check = next(n for n in broken.node if n.op == "IsFinite" and n.name in gathered
-               and n.device.endswith(f"CPU:{device_id}"))
+  name = sorted(_finite_checks(broken, device_id))[0]
+  check = next(n for n in broken.node if n.name == name)
   const = broken.node.add(name="mutation/inf", op="Const", device=check.device)
   const.attr["dtype"].type = check.attr["T"].type
   const.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(
@@ -247,7 +279,7 @@ def _inf_on_one_shard(graph_def, device_id):
                         input=[check.input[0], const.name])
   mul.attr["T"].type = check.attr["T"].type
   check.input[0] = mul.name
-  return broken, check.name
+  return broken
 
 
 def _one_step(graph_def, manifest, values, inputs):
@@ -262,8 +294,9 @@ def _one_step(graph_def, manifest, values, inputs):
 def test_an_inf_in_one_shard_skips_the_step_on_every_device():
   """At tp=2 an overflow in one device's shard of one gradient skips the
   update on both devices and halves the scale on both: the predicate is the
-  global finite check. Checked against a graph whose device 0 reads its own
-  shard's check only, which then updates alone."""
+  global finite check (each shard's count of non-finite values, summed over
+  the shards: graph/counted_reductions.py). Checked against a graph whose
+  device 0 reads its own shards' counts only, which then updates alone."""
   from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import seeds  # pylint: disable=import-outside-toplevel
   original = _graph("causallm_keras3", "mixed_float16")
@@ -281,22 +314,22 @@ def test_an_inf_in_one_shard_skips_the_step_on_every_device():
 
   ran = _one_step(rewritten, manifest, values, inputs)
   assert changed(ran) == ["CPU:0", "CPU:1"]
-  broken, check = _inf_on_one_shard(rewritten, 1)
+  broken = _inf_on_one_shard(rewritten, 1)
   skipped = _one_step(broken, manifest, values, inputs)
   assert changed(skipped) == []
   assert [skipped[s["name"]] for s in manifest[scale]["shards"]] == \
       [values[scale] / 2] * len(manifest[scale]["shards"])
-  # A local predicate on device 0 (its own shard's check, not the gathered
-  # one) lets device 0 step while device 1 skips: what the test would catch.
+  # A local predicate on device 0 (its own shards' counts, not their sums)
+  # lets device 0 step while device 1 skips: what the test would catch.
   local = graph_pb2.GraphDef()
   local.CopyFrom(broken)
-  local_check = check.replace("shard_1", "shard_0")
+  summed = set(_finite_checks(local, 0).values())
+  nodes = {n.name: n for n in local.node}
   for node in local.node:
-    if node.op == "All" and node.device.endswith("CPU:0") and \
-        node.input[0].startswith(local_check.rsplit("/", 1)[0] + "/"):
-      # The gather still runs (device 1 waits for it), unread.
-      node.input.extend(["^" + node.input[0].split(":")[0]])
-      node.input[0] = local_check
+    if node.op == "Equal" and node.input[0] in summed:
+      # The all-reduce still runs (device 1 waits for it), unread.
+      node.input.append("^" + node.input[0])
+      node.input[0] = nodes[node.input[0]].input[0]
   assert changed(_one_step(local, manifest, values, inputs)) == ["CPU:0"]
 
 
@@ -371,3 +404,63 @@ def test_memory_estimate_of_a_bf16_step_within_15_percent_of_allocator_peak(spec
   # The bf16 step needs less than the float32 one, in the estimate as on the allocator.
   assert r["measured_peak"] < fp32["measured_peak"] and \
       r["estimated_peak"] < fp32["estimated_peak"], (r, fp32)
+
+
+def test_logical_reductions_as_counts_are_exact():
+  """All / Any over every axis, some axes, keep_dims, written as counts,
+  give what TF's own ops give (graph/counted_reductions.py)."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.counted_reductions import counted_logical_reductions  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
+
+  @tf.function(input_signature=[tf.TensorSpec([4, 6, 8], tf.float32)])
+  def checks(x):
+    finite = tf.math.is_finite(x)
+    return (tf.reduce_all(finite), tf.reduce_any(x > 2.0), tf.reduce_all(finite, axis=[0, 2]),
+            tf.reduce_any(x > 1.0, axis=1, keepdims=True))
+
+  graph_def = load_graph(checks.get_concrete_function())
+  counted, n = counted_logical_reductions(graph_def)
+  assert n == 4 and not {"All", "Any"} & {node.op for node in counted.node}
+  rng = np.random.default_rng(0)
+  for case in range(4):
+    x = rng.standard_normal((4, 6, 8)).astype(np.float32)
+    if case % 2:
+      x[rng.integers(4), rng.integers(6), rng.integers(8)] = np.inf
+    if case == 3:
+      x[:] = -np.inf
+    want = [o.numpy() for o in checks(tf.constant(x))]
+    got = [o.numpy() for o in import_graph(counted)(tf.constant(x))]
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(g, w)
+
+
+def test_finite_check_moves_one_count_per_split_gradient():
+  """At tp=2 the loss-scale optimizer's finite check all-reduces one float32
+  count per split gradient instead of all-gathering its mask."""
+  original = _graph("causallm_keras3", "mixed_float16")
+  mesh = Mesh({"tp": 2}, [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)])
+  result = split_graph(original, mesh, timeout_seconds=TIMEOUT)
+  assert not [c for c in result.collectives if c.kind == "all_gather"]
+  counts = [c for c in result.collectives if c.tensor.endswith("/count")]
+  assert counts and all(c.num_elements == 1 and c.dtype == types_pb2.DT_FLOAT
+                        for c in counts)
+
+
+def test_stage_boundary_bytes_halve_in_bf16():
+  """What crosses pipeline stages travels in the graph's dtype: a bf16
+  step's activations and their gradients move half the float32 step's
+  bytes (`tfsplit rewrite` prints the line)."""
+  from tfsplit.runtime.rewrite import stage_boundary_bytes  # pylint: disable=import-outside-toplevel
+  floats = {}
+  for precision in (None, "mixed_bfloat16"):
+    original = _graph("causallm_keras3", precision)
+    mesh = Mesh({"pp": 2}, [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)])
+    result = split_graph(original, mesh, timeout_seconds=TIMEOUT, microbatches=2)
+    count, by_dtype = stage_boundary_bytes(original, result.stage_of)
+    assert count > 0
+    floats[precision] = {d: mb for d, mb in by_dtype if "float" in d}
+  assert set(floats[None]) == {"float32"}
+  bf16 = floats["mixed_bfloat16"]
+  assert bf16["bfloat16"] / sum(bf16.values()) > 0.99, bf16
+  assert sum(bf16.values()) == pytest.approx(floats[None]["float32"] / 2, rel=0.01)

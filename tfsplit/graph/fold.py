@@ -24,8 +24,11 @@ _SHAPE_OPS = frozenset(["Shape", "Size", "Rank", "ShapeN"])
 _REDUCED_FLOATS = frozenset([types_pb2.DT_BFLOAT16, types_pb2.DT_HALF])
 _MAX_ELEMENTS = 4096
 _SIZE_UNKNOWN_OK = frozenset(["BroadcastGradientArgs", "Where", "Unique", "Range"])  # never fold anything but small metadata tensors
+# Control flow is never folded: a Merge of two constant branches is the
+# value of the branch that ran, known at run time only.
 _NEVER_FOLD = frozenset(["Placeholder", "PlaceholderWithDefault", "VarHandleOp",
-                         "ReadVariableOp", "NoOp", "Const", "Identity", "IdentityN"])
+                         "ReadVariableOp", "NoOp", "Const", "Identity", "IdentityN",
+                         "Switch", "Merge", "Enter", "Exit", "NextIteration", "LoopCond"])
 
 
 # The subgraph is run once: optimizing it first costs more than it saves.
@@ -71,6 +74,7 @@ def _fold(graph, shapes, expand):
   IdentityNs expanded: see _rebuild)."""
   order = graph.topological_order()
   foldable = set()
+  controls = {}  # foldable node -> the control inputs its value waits for
   stateful = {}
   # node -> its op, read once; set before the node's consumers are reached
   # (loop back edges come from NextIteration, never a Const).
@@ -78,7 +82,7 @@ def _fold(graph, shapes, expand):
   for name in order:
     node = graph.node(name)
     op = op_of[name] = node.op
-    if op in _NEVER_FOLD:
+    if op in _NEVER_FOLD and not _passes_value(node, graph, foldable):
       continue
     if op not in stateful:
       stateful[op] = _is_stateful(op)
@@ -101,9 +105,18 @@ def _fold(graph, shapes, expand):
       if all(shapes.tensor(s, p) is not None and shapes.tensor(s, p).fully_defined
              for s, p in data):
         foldable.add(name)
+        controls[name] = set(graph.control_inputs(node))
       continue
     if data and all(s in foldable or op_of.get(s) == "Const" for s, _ in data):
       foldable.add(name)
+      # A folded value waits for what its computation waited for: inside a
+      # lowered conditional's branch that is the branch's pivot, which keeps
+      # the constant dead in the branch not taken (a live one would reach
+      # the branch's Merge).
+      found = set(graph.control_inputs(node))
+      for s, _ in data:
+        found |= controls[s] if s in foldable else set(graph.control_inputs(graph.node(s)))
+      controls[name] = found
   # Only fold what something non-foldable consumes (the frontier).
   targets = [n for n in order if n in foldable and any(
       c not in foldable for c, _ in graph.consumers(n))]
@@ -111,8 +124,17 @@ def _fold(graph, shapes, expand):
     out, made = _rebuild(graph, (), {}, expand)
     return out, {}, made
   values = _evaluate(graph, targets, foldable, shapes)
-  out, made = _rebuild(graph, foldable, values, expand)
+  out, made = _rebuild(graph, foldable, values, expand, controls)
   return out, values, made
+
+
+def _passes_value(node, graph, foldable):
+  """An Identity that only forwards a constant or foldable value (a lowered
+  branch's argument: a shape passed in); not a marked output or constraint."""
+  if node.op != "Identity" or any(k.startswith("_tfsplit") for k in node.attr):
+    return False
+  data = graph.data_inputs(node.name)
+  return len(data) == 1 and (data[0][0] in foldable or graph.node(data[0][0]).op == "Const")
 
 
 # Reductions that return their input unchanged when the axes are empty.
@@ -123,7 +145,7 @@ def _is_empty_vector(shape):
   return len(shape) == 1 and shape[0] == 0
 
 
-def _rebuild(graph, foldable, values, expand):
+def _rebuild(graph, foldable, values, expand, controls=None):
   """(GraphDef, {node: (IdentityN, output or None for its NoOp)}) of
   `graph` (a tfsplit Graph) with
 
@@ -217,6 +239,10 @@ def _rebuild(graph, foldable, values, expand):
   out.library.CopyFrom(graph_def.library)
   made = {}
 
+  def waits_for(name):  # control inputs of a folded constant, on nodes still there
+    return ["^" + c for c in sorted((controls or {}).get(name, ()))
+            if c not in foldable or c in values]
+
   def add_identity_n(name, device, data, controls, types):
     if not expand:
       ident = out.node.add(name=name, op="IdentityN", device=device, input=data + controls)
@@ -237,13 +263,16 @@ def _rebuild(graph, foldable, values, expand):
     if outs is not None:
       if len(outs) == 1:
         if not orphaned(name):
-          out.node.add().CopyFrom(_const_node(name, outs[0], node.device))
+          const = out.node.add()
+          const.CopyFrom(_const_node(name, outs[0], node.device))
+          const.input.extend(waits_for(name))
         continue
       # Multi-output (ShapeN): one Const per output, and an IdentityN over
       # them only if some node waits on this one (nothing else reads it).
       consts = []
       for i, v in enumerate(outs):
         const = _const_node(f"{name}/folded_{i}", v, node.device)
+        const.input.extend(waits_for(name))
         if not orphaned(const.name):
           out.node.add().CopyFrom(const)
         consts.append(const.name)

@@ -51,6 +51,7 @@ from tfsplit.cost import op_cost
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
+from tfsplit.graph.counted_reductions import counted_logical_reductions
 from tfsplit.graph.gradients import rowwise_gradients
 from tfsplit.graph.ir import (delete_positions, input_node, inputs_come_first, parse_input,
                               without_gc)
@@ -103,14 +104,17 @@ class SplitState:
 # --- passes ----------------------------------------------------------------------
 def fold_shapes(state):
   """Static shape arithmetic folded; gradients TF flattens over the whole
-  batch (TopKV2's) written row by row (graph/gradients.py)."""
+  batch (TopKV2's) written row by row (graph/gradients.py); All / Any as
+  counts, which stay split (graph/counted_reductions.py)."""
   analysis = state.analysis
   analysis.replace(*fold_and_expand(analysis.graph, analysis.shapes))
   graph_def, rewritten = rowwise_gradients(analysis.graph, analysis.shapes)
-  if rewritten:
+  counted_def, counted = counted_logical_reductions(graph_def)
+  if rewritten or counted:
     shapes = analysis.shapes
-    analysis.replace(graph_def, known_shapes={n.name: shapes[n.name] for n in graph_def.node
-                                              if n.name in shapes})
+    # A rewritten All / Any keeps its name, shape and dtype.
+    analysis.replace(counted_def, known_shapes={n.name: shapes[n.name] for n in counted_def.node
+                                                if n.name in shapes})
   for var in analysis.variables:
     if var.shape is None:
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "

@@ -124,6 +124,12 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
     lines.append("  collective tensors: " + "; ".join(
         f"{kind} {', '.join(f'{mb:.3g} MB {dtype}' for dtype, mb in by_dtype)}"
         for kind, by_dtype in moved))
+  boundary = stage_boundary_bytes(graph_def, result.stage_of)
+  if boundary:
+    count, by_dtype = boundary
+    lines.append(f"  stage boundaries: {count} tensors, "
+                 + ", ".join(f"{mb:.3g} MB {dtype}" for dtype, mb in by_dtype)
+                 + " per step (forward and backward, all micro-batches)")
   buckets = [c for c in result.collectives if c.kind == "bucket"]
   if buckets:
     per_group = collections.Counter(c.devices for c in buckets)
@@ -168,6 +174,38 @@ def _bytes_by_dtype(collectives):
       dtype = dtypes.as_dtype(c.dtype)
       totals[c.kind][dtype.name] += c.num_elements * dtype.size / 1e6
   return [(kind, sorted(by.items())) for kind, by in sorted(totals.items())]
+
+
+def stage_boundary_bytes(graph_def, stage_of):
+  """(number of tensors, [(dtype name, MB)]) that cross pipeline stages in a
+  step of `graph_def` (the original) cut by `stage_of` ({node: model
+  chunk}), in each tensor's own dtype: a bf16 activation half the bytes of
+  a float32 one. None without a pipeline."""
+  if not stage_of:
+    return None
+  from tensorflow.python.framework import dtypes  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.shapes import infer_shapes  # pylint: disable=import-outside-toplevel
+  graph = Graph(graph_def)
+  crossing = set()
+  for node in graph.nodes:
+    stage = stage_of.get(node.name)
+    if stage is None:
+      continue
+    for src, port in graph.data_inputs(node.name):
+      if stage_of.get(src, stage) != stage:
+        crossing.add((src, port))
+  shapes = infer_shapes(graph)
+  totals = collections.defaultdict(float)
+  for src, port in crossing:
+    info = shapes.tensor(src, port)
+    if info is None or info.num_elements is None or not info.dtype:
+      continue
+    dtype = dtypes.as_dtype(info.dtype)
+    if dtype == dtypes.resource:
+      continue
+    totals[dtype.name] += info.num_elements * dtype.size / 1e6
+  return len(crossing), sorted(totals.items())
 
 
 def _ops_per_device_line(graph_def, result):
