@@ -122,6 +122,10 @@ def test_bf16_split_is_exact_to_its_precision(mesh):
     ("causallm_tfkeras", "mixed_bfloat16", "tp=2", 1),
     ("bert_tfkeras", "mixed_float16", "dp=2", 1),
     ("vit_keras3", "mixed_bfloat16", "tp=2", 1),
+    ("moe_keras3", "mixed_bfloat16", "tp=2", 1),
+    ("moe_keras3", "mixed_bfloat16", "dp=2", 2),
+    ("switch_tfkeras", "mixed_bfloat16", "dp=2", 1),
+    ("switch_keras3", "mixed_float16", "dp=2", 1),
 ])
 def test_mixed_precision_meshes(name, precision, mesh, microbatches):
   original = _graph(name, precision)

@@ -422,16 +422,20 @@ def _define(K):
 
   class Router(layers.Layer):
     """Softmax router: (probs [b, t, E], top-k indices [b, t, k], their
-    renormalised weights [b, t, k]) and the sequence-wise balance loss."""
+    renormalised weights [b, t, k]) and the sequence-wise balance loss.
+    Computed in float32 under a mixed policy, as Switch Transformers do: a
+    16-bit softmax over experts flips near-tied top-k choices."""
 
     def __init__(self, cfg, **kwargs):
       super().__init__(**kwargs)
       self.cfg = cfg
-      self.proj = layers.Dense(cfg.experts, use_bias=False, name="proj")
+      mixed = K.mixed_precision.global_policy().compute_dtype != "float32"
+      self.proj = layers.Dense(cfg.experts, use_bias=False, name="proj",
+                               dtype="float32" if mixed else None)
 
     def call(self, x):
       cfg = self.cfg
-      probs = tf.nn.softmax(self.proj(x), axis=-1)
+      probs = tf.nn.softmax(self.proj(tf.cast(x, tf.float32)), axis=-1)
       top, index = tf.math.top_k(probs, k=cfg.top_k)
       weights = top / tf.reduce_sum(top, axis=-1, keepdims=True)
       with tf.name_scope("balance"):
@@ -492,6 +496,7 @@ def _define(K):
         routing = tf.reduce_sum(
             tf.one_hot(index, self.cfg.experts) * weights[..., tf.newaxis],
             axis=2)                                              # [b, t, E]
+        routing = tf.cast(routing, x.dtype)
       out = self.experts(x)
       return tf.einsum("bted,bte->btd", out, routing), aux
 
@@ -517,6 +522,7 @@ def _define(K):
               cfg.capacity)[:, :, tf.newaxis, :]
           dispatch = dispatch + place
           combine = combine + place * weights[:, :, k, tf.newaxis, tf.newaxis]
+        dispatch, combine = tf.cast(dispatch, x.dtype), tf.cast(combine, x.dtype)
       slots = tf.einsum("btec,btd->becd", dispatch, x)
       out = self.experts(slots)
       return tf.einsum("btec,becd->btd", combine, out), aux

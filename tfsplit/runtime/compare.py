@@ -39,6 +39,8 @@ import numpy as np
 # The computing precisions below float32: a training step in them is
 # compared the reduced-precision way (REDUCED_PRECISION in the module doc).
 REDUCED_PRECISIONS = ("bfloat16", "float16")
+# Unit roundoff of each (half an ulp at 1: 8 and 11 significand bits).
+UNIT_ROUNDOFF = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11}
 # How many times the precision's own spread (the reference in float32
 # against the reference in its precision, RMS over the shard) a split run's
 # RMS update error may be. Seen on Keras 3 mixed_bfloat16 decoders: up to
