@@ -30,6 +30,13 @@ such a gradient is the noise squared, so two runs' values differ by the
 square of their noises' ratio (a tp=2 GPT's key-bias velocity: 5x the
 reference's size where the reversed batch gave half of it). It must stay
 within `NOISE_FACTOR` times its own size.
+
+Reduced precision (REDUCED_PRECISIONS): a bf16 / fp16 step is checked twice
+by runtime/verify.py. Raised to float32, as above. As it is, against the
+precision's own spread (the float32 reference minus the reference): each
+shard's update by RMS (compare_rms), within `RMS_NOISE_FACTOR` times the
+spread's RMS; outputs within one `UNIT_ROUNDOFF` of their scale besides the
+spread; values only to within one largest update; copies as in float32.
 """
 import dataclasses
 from typing import Dict, List, Optional
