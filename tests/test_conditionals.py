@@ -134,3 +134,34 @@ def test_folded_constants_in_a_branch_wait_for_its_pivot():
   assert branch_consts
   for node in branch_consts:
     assert any(t.startswith("^") and "/pivot_" in t for t in node.input), node
+
+
+def _while_step():
+  w = tf.Variable(np.eye(8, dtype=np.float32) + 0.1, name="loop_w")
+
+  @tf.function(input_signature=[tf.TensorSpec([4, 8], tf.float32)], autograph=False)
+  def step(x):
+    with tf.GradientTape() as tape:
+      h = tf.while_loop(lambda i, h: i < 3, lambda i, h: (i + 1, tf.matmul(h, w)), [0, x])[1]
+      loss = tf.reduce_sum(h * h)
+    w.assign_sub(0.01 * tape.gradient(loss, [w])[0])
+    return loss
+
+  return load_graph(step.get_concrete_function(), variable_names=[(w, "loop_w")])
+
+
+def test_a_while_loop_runs_whole_and_a_split_variable_in_it_is_refused():
+  """A loop stays one node (its gradient's TensorList accumulators are not
+  folded): over dp the batch is gathered for it and the step is exact; a
+  variable split by annotation that the loop reads is refused by name."""
+  from tfsplit.errors import UnsupportedOpError  # pylint: disable=import-outside-toplevel
+  graph_def = _while_step()
+  devices = [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)]
+  result = split_graph(graph_def, Mesh({"dp": 2}, devices), timeout_seconds=TIMEOUT)
+  assert any("'while' (op While)" in f for f in result.fallbacks), result.fallbacks
+  verify(graph_def, result.graph_def, {"variables": result.manifest,
+                                       "outputs": result.output_copies, "devices": devices},
+         steps=3).assert_ok("dp=2")
+  with pytest.raises(UnsupportedOpError, match=r"'while' \(op While\)"):
+    split_graph(graph_def, Mesh({"tp": 2}, devices), timeout_seconds=TIMEOUT,
+                annotations={"loop_w": (None, "tp")})

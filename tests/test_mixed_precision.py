@@ -468,3 +468,29 @@ def test_stage_boundary_bytes_halve_in_bf16():
   bf16 = floats["mixed_bfloat16"]
   assert bf16["bfloat16"] / sum(bf16.values()) > 0.99, bf16
   assert sum(bf16.values()) == pytest.approx(floats[None]["float32"] / 2, rel=0.01)
+
+
+def test_loss_scaled_pipeline_keeps_each_slot_on_its_weights_stage():
+  """Under the loss-scale optimizer the updates run in the conditional's
+  branch, reading each slot through the branch's argument: the slots still
+  live and update on their weight's stage, so a step sends no optimizer
+  state across stages (only activations, their gradients and the finite
+  check's scalars)."""
+  from tfsplit.runtime.rewrite import stage_boundary_bytes  # pylint: disable=import-outside-toplevel
+  original = _graph("causallm_keras3", "mixed_float16")
+  rewritten, manifest = _split(original, "pp=2", microbatches=2)
+  variables = manifest["variables"]
+  checked = 0
+  for name, entry in variables.items():
+    for kind in ("momentum", "velocity"):
+      slot = "adam/" + name.replace("/", "_") + "_" + kind
+      if slot in variables:
+        assert [s["device"] for s in variables[slot]["shards"]] == \
+            [s["device"] for s in entry["shards"]], slot
+        checked += 1
+  assert checked > 20
+  mesh = Mesh({"pp": 2}, [f"/job:localhost/replica:0/task:0/device:CPU:{i}" for i in range(2)])
+  result = split_graph(original, mesh, timeout_seconds=TIMEOUT, microbatches=2)
+  by_dtype = dict(stage_boundary_bytes(original, result.stage_of)[1])
+  # Every Adam slot of the second stage crossing would be 0.3 MB of float32.
+  assert by_dtype["float32"] < by_dtype["float16"], by_dtype

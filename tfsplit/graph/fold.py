@@ -22,6 +22,8 @@ from tfsplit.graph.ir import Graph, parse_input
 
 _SHAPE_OPS = frozenset(["Shape", "Size", "Rank", "ShapeN"])
 _REDUCED_FLOATS = frozenset([types_pb2.DT_BFLOAT16, types_pb2.DT_HALF])
+# Handles have no numpy value to fold to (a loop's TensorList accumulators).
+_HANDLE_TYPES = frozenset([types_pb2.DT_VARIANT, types_pb2.DT_RESOURCE])
 _MAX_ELEMENTS = 4096
 _SIZE_UNKNOWN_OK = frozenset(["BroadcastGradientArgs", "Where", "Unique", "Range"])  # never fold anything but small metadata tensors
 # Control flow is never folded: a Merge of two constant branches is the
@@ -98,7 +100,7 @@ def _fold(graph, shapes, expand):
     # folded, it would be stored rounded, and the graph raised to float32
     # to check a mixed-precision split (graph/precision.py) could not
     # recover the value the original computes.
-    if any(o.dtype in _REDUCED_FLOATS for o in outs):
+    if any(o.dtype in _REDUCED_FLOATS or o.dtype in _HANDLE_TYPES for o in outs):
       continue
     data = graph.data_inputs(name)
     if op in _SHAPE_OPS:

@@ -396,6 +396,21 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
         queue.extend(parse_input(t) for t in node.input if not t.startswith("^"))
     return None
 
+  # A variable's handle passed on by an Identity (a lowered conditional's
+  # branch argument) is the variable: its reads and writes are the variable's.
+  handle_of = {}
+  for name in order:
+    data = sources[name]
+    if op_of[name] == "Identity" and len(data) == 1:
+      src = data[0]
+      if src in var_nodes or src in handle_of:
+        handle_of[name] = handle_of.get(src, src)
+
+  def written_handle(write):
+    node = graph.node(write)
+    handle = parse_input(node.input[0])[0] if node.input else None
+    return handle_of.get(handle, handle)
+
   def slots_read_by(write):
     # Variables an update reads (Adam's moments in the weight's step) or takes
     # as inputs (a fused ResourceApplyAdam), up through update ops only.
@@ -407,6 +422,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
         continue
       seen.add(name)
       for src, _ in graph.data_inputs(name):
+        src = handle_of.get(src, src)
         if src in var_nodes:
           found.add(src)
         elif role.get(src) == UPDATE:
@@ -420,7 +436,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   # counter) is the optimizer's.
   slot_owners = collections.defaultdict(set)
   for name in writes:
-    handle = parse_input(graph.node(name).input[0])[0] if graph.node(name).input else None
+    handle = written_handle(name)
     if handle in variable_layer and is_trainable_handle(handle):
       for slot in slots_read_by(name) - {handle}:
         if slot not in variable_layer:
@@ -429,8 +445,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
     if len(owners) == 1:
       variable_layer[slot] = variable_layer[next(iter(owners))]
   for name in writes:
-    node = graph.node(name)
-    handle = parse_input(node.input[0])[0] if node.input else None
+    handle = written_handle(name)
     if handle in var_nodes and handle not in variable_layer:
       key = nearest_backward_layer(name)
       if key is not None:
@@ -438,8 +453,7 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
 
   # 6. Update ops: the layer of the variable written; others follow consumers.
   for name in writes:
-    handle = parse_input(graph.node(name).input[0])[0]
-    layer_of[name] = variable_layer.get(handle, OPTIMIZER_LAYER)
+    layer_of[name] = variable_layer.get(written_handle(name), OPTIMIZER_LAYER)
   for name in reversed(order):
     if role[name] != UPDATE or name in layer_of:
       continue
