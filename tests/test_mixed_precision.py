@@ -494,3 +494,33 @@ def test_loss_scaled_pipeline_keeps_each_slot_on_its_weights_stage():
   by_dtype = dict(stage_boundary_bytes(original, result.stage_of)[1])
   # Every Adam slot of the second stage crossing would be 0.3 MB of float32.
   assert by_dtype["float32"] < by_dtype["float16"], by_dtype
+
+
+def test_planner_prices_a_bf16_step_in_its_own_dtypes():
+  """The planner's profile of a bf16 step: float32 weights and Adam slots
+  as in the float32 step, half the bytes at each stage cut (the top-level
+  cast of the logits to float32 runs with the last layer, not before the
+  first), and per-device memory that tracks the rewritten graph's simulated
+  peak as closely as the float32 step's does."""
+  from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.commands.plan_cmd import simulate_top  # pylint: disable=import-outside-toplevel
+  from tfsplit.plan import space  # pylint: disable=import-outside-toplevel
+  spec = plan_lib.cluster_for("h100-80gb", 2)
+  profiles, ratios = {}, {}
+  for precision in (None, "mixed_bfloat16"):
+    graph_def = _graph("causallm_keras3", precision)
+    profile = plan_lib.profile_graph(graph_def, 2, spec)
+    costing = space.Costing(profile, spec)
+    half = costing.n // 2
+    estimates = [costing.evaluate(space.Candidate(1, 1, 1), [(0, costing.n)]),
+                 costing.evaluate(space.Candidate(1, 1, 2, microbatches=2),
+                                  [(0, half), (half, costing.n)])]
+    simulated = simulate_top(graph_def, estimates, spec, profile)
+    profiles[precision] = profile
+    ratios[precision] = [e.memory / s["simulated_memory"] for e, s in zip(estimates, simulated)]
+  fp32, bf16 = profiles[None], profiles["mixed_bfloat16"]
+  assert [(r.params, r.slots) for r in bf16.layers] == [(r.params, r.slots) for r in fp32.layers]
+  assert sum(r.activations for r in bf16.layers) < 0.8 * sum(r.activations for r in fp32.layers)
+  assert sum(bf16.cuts) == pytest.approx(sum(fp32.cuts) / 2, rel=0.1), (bf16.cuts, fp32.cuts)
+  for got, want in zip(ratios["mixed_bfloat16"], ratios[None]):
+    assert 0.5 < got < 2 and got == pytest.approx(want, rel=0.15), ratios

@@ -328,6 +328,15 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   for name in order:
     if role[name] == FORWARD and name not in var_nodes:
       key = layer_key(name)
+      if key == TOP_LAYER:
+        # An unscoped op computed from a layer's output (a mixed-precision
+        # model's cast of its logits to float32, a loss written without a
+        # scope) runs after that layer, not with the graph's inputs: it
+        # joins the latest layer it reads from.
+        inside = [layers[layer_of[s]] for s, _ in graph.data_inputs(name)
+                  if layer_of.get(s, TOP_LAYER) != TOP_LAYER]
+        if inside:
+          key = max(inside, key=lambda l: l.index).name
       layers.setdefault(key, Layer(key, len(layers)))
       layer_of[name] = key
 
