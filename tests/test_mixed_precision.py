@@ -524,3 +524,87 @@ def test_planner_prices_a_bf16_step_in_its_own_dtypes():
   assert sum(bf16.cuts) == pytest.approx(sum(fp32.cuts) / 2, rel=0.1), (bf16.cuts, fp32.cuts)
   for got, want in zip(ratios["mixed_bfloat16"], ratios[None]):
     assert 0.5 < got < 2 and got == pytest.approx(want, rel=0.15), ratios
+
+
+def _lowered_split(original, mesh_text, **options):
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+  axes = Mesh.parse(mesh_text).axes
+  mesh = Mesh(axes, [f"/job:localhost/replica:0/task:0/device:CPU:{i}"
+                     for i in range(int(np.prod(list(axes.values()))))])
+  result = split_graph(original, mesh, timeout_seconds=TIMEOUT, **options)
+  return result, manifest_lib.build(result)
+
+
+def _gradient_bytes(result):
+  from tfsplit.runtime.rewrite import _bytes_by_dtype  # pylint: disable=import-outside-toplevel
+  return {kind: dict(by) for kind, by in _bytes_by_dtype(result.collectives)}
+
+
+@pytest.mark.parametrize("mesh,options", [
+    ("dp=2", {}),
+    pytest.param("dp=2", {"zero": 1}, marks=pytest.mark.slow),
+    pytest.param("dp=2", {"microbatches": 2, "bucket_bytes": 0}, marks=pytest.mark.slow),
+])
+def test_gradients_reduced_in_bf16_move_half_the_bytes(mesh, options):
+  """gradient_reduce_dtype='bfloat16': the float32 gradients of a float32
+  step cross dp in bfloat16, half the bytes (buckets and single tensors,
+  all-reduce or ZeRO's reduce-scatter), the weights' all-gathers stay
+  float32. Raised to float32 the split is exact; as it is, each update is
+  held to the spread of the original with its gradients rounded once, and a
+  shard 10% wrong still fails both checks."""
+  original = _graph("causallm_keras3", None)
+  exact, _ = _lowered_split(original, mesh, **options)
+  result, manifest = _lowered_split(original, mesh, gradient_reduce_dtype="bfloat16",
+                                    **options)
+  kind = "reduce_scatter" if options.get("zero") else "all_reduce"
+  want, got = _gradient_bytes(exact), _gradient_bytes(result)
+  assert got[kind]["bfloat16"] == pytest.approx(want[kind]["float32"] / 2, rel=1e-3)
+  assert got.get("all_gather") == want.get("all_gather")
+  lowered = [n for n in result.graph_def.node if n.op.startswith("Collective")
+             and n.attr["T"].type == types_pb2.DT_BFLOAT16]
+  assert lowered and _reduced_types(original) == set()
+  tensors = manifest["gradient_reduce"]["tensors"]
+  assert len(tensors) == sum(c.kind == kind for c in result.collectives) - \
+      sum(c.kind == kind and c.dtype == types_pb2.DT_FLOAT for c in result.collectives)
+  report = verify(original, result.graph_def, manifest, steps=3)
+  assert report.ok, report.table()
+  assert report.precision == "bfloat16"
+  assert {c.what.split(":", 1)[0] for c in report.comparisons} == {"float32", "bfloat16"}
+  if options:
+    return
+  broken = verify(original, _scale_step(result.graph_def, manifest, KERNEL), manifest,
+                  steps=3)
+  failed = {c.what.split(":", 1)[0] for c in broken.failures if KERNEL in c.what}
+  assert failed == {"float32", "bfloat16"}, broken.table()
+
+
+def test_gradient_reduce_dtype_needs_a_data_axis_and_a_known_dtype():
+  from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
+  original = _graph("causallm_keras3", None)
+  with pytest.raises(PlanError, match="no 'dp' axis"):
+    _lowered_split(original, "tp=2", gradient_reduce_dtype="bfloat16")
+  with pytest.raises(PlanError, match="unknown gradient reduce dtype 'int8'"):
+    _lowered_split(original, "dp=2", gradient_reduce_dtype="int8")
+
+
+def test_rewrite_reduces_gradients_in_bf16_on_request(tmp_path, capsys):
+  """`tfsplit rewrite --gradient-reduce-dtype bfloat16` says the gradients
+  travel in bfloat16 and the manifest records it, so `tfsplit verify` holds
+  the step to bfloat16's spread; without dp it is refused in one line."""
+  from tfsplit.cli import run  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import save_graph  # pylint: disable=import-outside-toplevel
+  source, out = tmp_path / "causallm.pb", tmp_path / "split.pb"
+  save_graph(_graph("causallm_keras3", None), str(source))
+  assert run(["tfsplit", "rewrite", str(source), "-o", str(out), "--mesh", "dp=2",
+              "--gradient-reduce-dtype", "bfloat16", "--collective-timeout", "60"]) == 0
+  line = next(l for l in capsys.readouterr().out.splitlines() if "collective tensors:" in l)
+  assert "MB bfloat16" in line, line
+  assert run(["tfsplit", "verify", str(source), str(out), "--steps", "2"]) == 0
+  stdout = capsys.readouterr().out
+  assert "in bfloat16, each shard's RMS update error" in stdout
+  assert stdout.strip().splitlines()[-1].startswith("OK")
+  refused = tmp_path / "refused.pb"
+  assert run(["tfsplit", "rewrite", str(source), "-o", str(refused), "--mesh", "tp=2",
+              "--gradient-reduce-dtype", "bfloat16"]) == 2
+  err = capsys.readouterr().err.strip().splitlines()
+  assert len(err) == 1 and "no 'dp' axis" in err[0] and not refused.exists()

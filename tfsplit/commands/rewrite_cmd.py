@@ -64,6 +64,11 @@ def define_flags(fv):
   flags.DEFINE_string("offload-device", None, "With --offload: one host device for every "
                       "mesh device, e.g. /job:localhost/replica:0/task:0/device:CPU:4 "
                       "(needed when the mesh is on this machine's CPUs).", flag_values=fv)
+  flags.DEFINE_enum("gradient-reduce-dtype", None, ["bfloat16"], "Reduce float32 "
+                    "gradients over dp in this dtype: half the bytes, each partial "
+                    "gradient rounded to 8 significant bits (verify then holds updates to "
+                    "bfloat16's spread, not float32's). Default: the graph's own dtype, "
+                    "exact.", flag_values=fv)
   flags.DEFINE_float("collective-timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
   flags.DEFINE_string("cluster", None, "Place the mesh on a cluster's worker tasks: "
@@ -91,7 +96,7 @@ def run(fv, args):
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",
       "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task",
-      "offload", "offload-device", "task")
+      "offload", "offload-device", "task", "gradient-reduce-dtype")
   if fv.plan:
     from tfsplit.commands.plan_cmd import rewrite_options  # pylint: disable=import-outside-toplevel
     options.update(rewrite_options(fv, args[0]))

@@ -15,6 +15,8 @@ from tensorflow.core.framework import graph_pb2
 from tensorflow.core.framework import types_pb2
 from tensorflow.python.framework import tensor_util
 
+from tfsplit.graph.ir import parse_input
+
 # 16-bit float types, lowest precision first, and their names.
 REDUCED = {types_pb2.DT_BFLOAT16: "bfloat16", types_pb2.DT_HALF: "float16"}
 
@@ -52,6 +54,45 @@ def promoted(graph_def):
 _INSTANCE_KEY_INPUT = {"CollectiveReduceV2": 3, "CollectiveGatherV2": 3,
                        "CollectiveBcastSendV2": 3, "CollectiveAllToAllV2": 3,
                        "CollectiveReduceScatterV2": 3, "CollectiveBcastRecvV2": 2}
+
+
+def rounded_tensors(graph_def, tensors, precision):
+  """A copy of `graph_def` in which each tensor named in `tensors` ('node'
+  or 'node:port', float32) is rounded to `precision` ('bfloat16' or
+  'float16') and back before any op reads it: the original as a split that
+  carries those tensors in `precision` computes it (gradients reduced in
+  bfloat16, SplitConfig.gradient_reduce_dtype), the reference of that
+  precision's spread."""
+  low = {name: dtype for dtype, name in REDUCED.items()}[precision]
+  out = graph_pb2.GraphDef()
+  out.CopyFrom(graph_def)
+  wanted = {parse_input(t) for t in tensors}
+  rounded, created = {}, set()
+  devices = {node.name: node.device for node in graph_def.node}
+  for source, port in sorted(wanted):
+    if source not in devices:
+      continue
+    text = source if port == 0 else f"{source}:{port}"
+    base = f"{source}/rounded_{port}"
+    down, up = out.node.add(), out.node.add()
+    for node, name, src, (a, b) in ((down, f"{base}/to_{precision}", text,
+                                     (types_pb2.DT_FLOAT, low)),
+                                    (up, f"{base}/to_float32", f"{base}/to_{precision}",
+                                     (low, types_pb2.DT_FLOAT))):
+      node.name, node.op = name, "Cast"
+      node.input.append(src)
+      node.attr["SrcT"].type, node.attr["DstT"].type = a, b
+      node.attr["Truncate"].b = False
+      node.device = devices[source]
+      created.add(name)
+    rounded[(source, port)] = up.name
+  for node in out.node:
+    if node.name in created:
+      continue
+    for k, text in enumerate(node.input):
+      if not text.startswith("^") and parse_input(text) in rounded:
+        node.input[k] = rounded[parse_input(text)]
+  return out
 
 
 def _rekey_collectives(graph_def):

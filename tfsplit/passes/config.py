@@ -17,6 +17,9 @@ from tfsplit.pipeline.schedules import Interleaved
 STRATEGIES = ("megatron", "none")
 SCHEDULES = ("1f1b", "gpipe", "interleaved")
 BALANCES = ("cost", "flops")
+# What float32 gradients may travel in over the data axis instead (off by
+# default: the dtype the graph accumulates them in).
+GRADIENT_REDUCE_DTYPES = ("bfloat16",)
 # The gradient bucket cap lives in constants (the planner prices it without
 # importing the passes); passes.config.DEFAULT_BUCKET_BYTES stays its name here.
 DEFAULT_BUCKET_BYTES = constants.DEFAULT_BUCKET_BYTES
@@ -54,6 +57,13 @@ class SplitConfig:
     compute only from them and the gradients live on each device's host CPU
     (memory/offload.py); offload_device names one host for every device
     instead (default: CPU:0 of the device's own task).
+  gradient_reduce_dtype: None (gradients are reduced over the data axis in
+    the dtype the graph accumulates them in: exact), or 'bfloat16': float32
+    gradients travel in bfloat16 (sharding/buckets.py), half the bytes, at
+    the price of rounding each device's partial gradient and each partial
+    sum to 8 significant bits; updates then agree with the original to the
+    bfloat16 precision's spread, not to float32's (runtime/verify.py checks
+    it so).
   task: None (the graph of the whole mesh), or the index of the cluster task
     whose part alone is written (sharding/tasks.py): its nodes, the edges to
     other tasks made broadcasts, its inputs its share of the batch.
@@ -74,6 +84,7 @@ class SplitConfig:
   offload: Optional[str] = None
   offload_device: Optional[str] = None
   task: Optional[int] = None
+  gradient_reduce_dtype: Optional[str] = None
 
   def __post_init__(self):
     recompute_lib.parse(self.recompute)
@@ -123,6 +134,15 @@ class SplitConfig:
                       "add offload='optimizer' (--offload optimizer) or drop the device")
     if self.offload:
       offload_lib.check_hosts(self.mesh.devices, self.offload_device)
+    g = self.gradient_reduce_dtype
+    if g is not None and g not in GRADIENT_REDUCE_DTYPES:
+      raise PlanError(f"unknown gradient reduce dtype {g!r}; use 'bfloat16' "
+                      "(--gradient-reduce-dtype bfloat16) or leave it unset (the "
+                      "graph's own dtype, exact)")
+    if g and self.mesh.axes.get(constants.DATA_AXIS, 1) < 2:
+      raise PlanError(f"gradient_reduce_dtype='{g}' lowers the gradients' all-reduce over "
+                      f"the data axis, but mesh {self.mesh} has no '{constants.DATA_AXIS}' "
+                      "axis of 2 or more; add one (--mesh dp=2,...) or leave it unset")
 
   @property
   def recompute_mode(self):

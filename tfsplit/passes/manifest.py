@@ -9,6 +9,9 @@
      "source": "/abs/path/in.pb" | null,
      "zero": 0 | 1 | 2,                   # optimizer-state sharding stage over dp
      "offload": null | "optimizer",       # CPU offload (memory/offload.py)
+     "gradient_reduce": null | {"dtype": "bfloat16", "tensors": [...]},
+                                          # float32 gradients (original tensors)
+                                          # reduced over dp in a lower dtype
      "variables": {name: {"dtype", "shape", "sharding", "shards": [
          {"name", "device", "device_id", "offsets", "shape"}],
          # with zero: an optimizer slot names its weight, and one kept
@@ -47,8 +50,22 @@ def build(result, source=None):
           "virtual_stages": int(config.virtual_stages),
           "zero": int(getattr(config, "zero", 0)),
           "offload": getattr(config, "offload", None),
+          "gradient_reduce": gradient_reduce(result),
           "source": os.path.abspath(source) if source else None,
           "variables": result.manifest, "outputs": result.output_copies}
+
+
+def gradient_reduce(result):
+  """{'dtype', 'tensors'}: the original gradient tensors a SplitResult
+  reduces over the data axis in config.gradient_reduce_dtype, or None."""
+  dtype = getattr(result.config, "gradient_reduce_dtype", None)
+  if not dtype:
+    return None
+  from tensorflow.python.framework import dtypes  # pylint: disable=import-outside-toplevel
+  enum = dtypes.as_dtype(dtype).as_datatype_enum
+  tensors = sorted({c.tensor for c in result.collectives
+                    if c.kind in ("all_reduce", "reduce_scatter") and c.dtype == enum})
+  return {"dtype": dtype, "tensors": tensors}
 
 
 def dumps(manifest):

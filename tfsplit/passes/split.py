@@ -29,7 +29,8 @@ order_work              micro-batch j+1 waits for micro-batch j (no pipeline),
                         or the pipeline schedule's control edges (gpipe /
                         1f1b / interleaved)
 bucket_gradients        gradient all-reduces over the data axis packed into
-                        buckets, one collective each (sharding/buckets.py)
+                        buckets, one collective each (sharding/buckets.py),
+                        in bfloat16 if gradient_reduce_dtype says so
 offload_optimizer       offload= only: optimizer slots and their update ops
                         on each device's host CPU (memory/offload.py)
 lean_constants          device copies of constants nothing reads removed,
@@ -329,16 +330,18 @@ def order_work(state):
 
 
 def bucket_gradients(state):
-  """One all-reduce per bucket of gradients over the data axis, not per tensor."""
+  """One all-reduce per bucket of gradients over the data axis, not per
+  tensor (in config.gradient_reduce_dtype, if set)."""
   config, mesh = state.config, state.mesh
   batch_axis = config.batch_axis(mesh)
-  if not config.bucket_bytes or batch_axis is None:
+  if not (config.bucket_bytes or config.gradient_reduce_dtype) or batch_axis is None:
     return
   axes = [a for a in mesh.axis_parts(batch_axis)
           if mesh.axes[a] > 1 and not mesh.is_local(a)]
   out = state.materialized
   out.collectives.extend(buckets_lib.bucket_gradients(
-      out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes))
+      out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes,
+      config.gradient_reduce_dtype))
 
 
 def plan_offload(state):
@@ -487,12 +490,13 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
                 layer_ranges=None, balance="cost", virtual_stages=1,
                 bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0,
-                offload=None, offload_device=None, task=None):
+                offload=None, offload_device=None, task=None, gradient_reduce_dtype=None):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
                        layer_ranges, timeout_seconds, axis, balance, virtual_stages,
                        bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
-                       offload=offload, offload_device=offload_device, task=task)
+                       offload=offload, offload_device=offload_device, task=task,
+                       gradient_reduce_dtype=gradient_reduce_dtype)
   return run_passes(graph_def, config)
 
 

@@ -64,7 +64,7 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                  schedule="1f1b", collective_timeout=600.0, signature=None,
                  variables=None, virtual_stages=1, bucket_mb=25.0, zero=0,
                  recompute="none", cluster=None, across_tasks=None, devices_per_task=None,
-                 offload="none", offload_device=None, task=None):
+                 offload="none", offload_device=None, task=None, gradient_reduce_dtype=None):
   """Splits the graph at `source` and writes it to `output` with its manifest.
 
   cluster / across_tasks / devices_per_task: place the mesh on a cluster's
@@ -76,6 +76,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   zero: optimizer-state sharding stage over dp (0, 1 or 2).
   offload / offload_device: 'optimizer' keeps optimizer slots and their
   update ops on each device's host CPU, or on `offload_device` (memory/offload.py).
+  gradient_reduce_dtype: 'bfloat16' reduces float32 gradients over dp in it
+  (half the bytes, no longer float32-exact: see SplitConfig).
   Returns the summary lines of what was done.
   """
   from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
@@ -98,7 +100,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                        bucket_bytes=int(round(bucket_mb * 2**20)), zero=zero,
                        recompute=recompute,
                        offload=None if offload in (None, "none") else offload,
-                       offload_device=offload_device, task=task)
+                       offload_device=offload_device, task=task,
+                       gradient_reduce_dtype=gradient_reduce_dtype)
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)

@@ -79,7 +79,8 @@ class SplitFunction(object):
                microbatches=1, schedule="1f1b", layer_ranges=None, virtual_stages=1,
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
                offload=None, offload_device=None, prepare=None, plan=None, devices=None,
-               device_memory=None, hardware=None, shares_with=None, memory_reserve=None):
+               device_memory=None, hardware=None, shares_with=None, memory_reserve=None,
+               gradient_reduce_dtype=None):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     # With a plan the mesh is known only once the graph is (below).
@@ -127,7 +128,7 @@ class SplitFunction(object):
                               layer_ranges=layer_ranges, virtual_stages=virtual_stages,
                               bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
                               offload=offload, offload_device=offload_device,
-                              task=self.task)
+                              task=self.task, gradient_reduce_dtype=gradient_reduce_dtype)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -249,7 +250,7 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
           layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
           recompute=None, zero=0, cluster=None, offload=None, offload_device=None,
           prepare=None, plan=None, devices=None, device_memory=None, hardware=None,
-          memory_reserve=None):
+          memory_reserve=None, gradient_reduce_dtype=None):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -277,6 +278,9 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
     each device's host CPU (CPU:0 of its task; offload_device names another),
     the weights on the device (memory/offload.py); a host that is itself a
     mesh device is refused.
+  gradient_reduce_dtype: 'bfloat16' reduces float32 gradients over 'dp' in
+    bfloat16, half the bytes, each partial gradient rounded to 8 significant
+    bits (no longer float32-exact); None (default): the graph's own dtype.
   prepare: a GraphDef -> GraphDef function applied to the traced graph
     before it is split (tfsplit.keras drops the Keras metric updates so).
   plan: 'auto' chooses mesh, micro-batches, schedule, stage ranges,
@@ -293,4 +297,5 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
                        timeout_seconds, microbatches, schedule, layer_ranges,
                        virtual_stages, bucket_bytes, recompute, zero, cluster, offload,
                        offload_device, prepare, plan, devices, device_memory, hardware,
-                       memory_reserve=memory_reserve)
+                       memory_reserve=memory_reserve,
+                       gradient_reduce_dtype=gradient_reduce_dtype)

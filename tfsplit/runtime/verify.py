@@ -11,7 +11,10 @@ A graph computing in bfloat16 or float16 is verified twice: both graphs
 raised to float32 (graph/precision.py), which must agree as any float32
 split does (a wrong shard is wrong there too), and both as they are, each
 shard's update within RMS_NOISE_FACTOR times the precision's own spread
-(the raised original's result against the original's).
+(the raised original's result against the original's). So is a float32
+step whose gradients the rewrite reduced in bfloat16 (the manifest's
+"gradient_reduce"): raised, it must agree exactly; as it is, it is held to
+the spread of the original with those gradients rounded to bfloat16 once.
 """
 import collections
 import hashlib
@@ -136,9 +139,12 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
   manifest_arg = manifest
   if isinstance(manifest, str):
     manifest = manifest_lib.read(manifest)
-  output_copies = {}
+  output_copies, lowered = {}, None
   if manifest is not None and isinstance(manifest.get("variables"), dict):
     output_copies = manifest.get("outputs") or {}
+    lowered = manifest.get("gradient_reduce")
+    if lowered:   # the raised check below compares without it
+      manifest_arg = dict(manifest, gradient_reduce=None)
     manifest = manifest["variables"]
   original_graph = Graph(original)
   values = seeded_variable_values(original_graph, seed)
@@ -157,6 +163,12 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
     return {k: tf.Variable(v) for k, v in named_values.items()}
 
   precision = precision_lib.compute_precision(original)
+  as_is = original   # the original in the precision the rewritten graph computes
+  if lowered and precision == "float32":
+    # Gradients reduced in a lower dtype: the original in that precision
+    # rounds each of those gradients once (graph/precision.py).
+    precision = lowered["dtype"]
+    as_is = precision_lib.rounded_tensors(original, lowered["tensors"], precision)
   raised = None
   if precision in compare_lib.REDUCED_PRECISIONS:
     # Exactness is checked on both graphs raised to float32; the run in
@@ -170,7 +182,7 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
 
   from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   on_cluster = cluster_lib.cluster_for_graph(rewritten, cluster)
-  want, alt, use_noise = _reference(original, values, inputs, steps, len(outputs), fresh)
+  want, alt, use_noise = _reference(as_is, values, inputs, steps, len(outputs), fresh)
   if raised is not None:
     alt, use_noise = want32, True
   copies = [(name, d, tensor) for name in outputs for d, tensor in output_copies.get(name, [])]

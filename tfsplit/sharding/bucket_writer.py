@@ -1,8 +1,9 @@
 """Writing gradient buckets into a materialized graph: on each device of its
 group a bucket's members are flattened (or cut into the blocks each member
 owns), concatenated, carried by one collective with the members' group, attrs
-and a new instance key, and split back, and each member's result node becomes
-the Reshape of its piece under its own name and record, so its consumers,
+and a new instance key (cast to the bucket's travelling dtype before it and
+back after, if it travels in a lower one), and split back, and each member's
+result node becomes the Reshape of its piece under its own name and record, so its consumers,
 control edges and output copies stay valid and nothing else is rewired. Nodes
 are added through builder.DeviceGraph (names, records); the members'
 collectives and the constants only they read are dropped at the end. Which
@@ -27,15 +28,20 @@ class BucketWriter(object):
     self.b, self.nodes, self.consumers = builder, builder.created, consumers
     self.dead_inputs, self.kept, self.rewritten = set(), set(), set()
     self.removed = set()   # nodes of collectives a bucket replaced
+    self.travels = None    # the DType the bucket being written travels in, if lower
 
-  def emit(self, bucket, key, base):
+  def emit(self, bucket, key, base, travels=None):
+    """travels: None, or the DataType enum the bucket's collective carries
+    (the members' dtype otherwise; gradients only, never an all-gather)."""
     emit_on = {"all_reduce": self.emit_on, "reduce_scatter": self.emit_scatter_on,
                "all_gather": self.emit_gather_on}[bucket[0].kind]
+    self.travels = dtypes.as_dtype(travels) if travels else None
     for d in bucket[0].here:
       emit_on(d, bucket, key, f"{base}/shard_{d}")
 
   def _collective(self, first, inputs, name):
-    """A copy of collective member `first` (its op and attrs) over `inputs`."""
+    """A copy of collective member `first` (its op and attrs) over `inputs`,
+    carrying the bucket's travelling dtype."""
     node = node_def_pb2.NodeDef()
     node.CopyFrom(first)
     node.name = self.b.unique(name)
@@ -43,8 +49,24 @@ class BucketWriter(object):
     node.input.extend(inputs)
     for attr in [a for a in node.attr if a.startswith("_tfsplit")]:
       del node.attr[attr]
+    if self.travels is not None:
+      node.attr["T"].type = self.travels.as_datatype_enum
     self.kept.update(input_node(t) for t in first.input[1:3])
     return node
+
+  def _lower(self, where, x, dtype, device, record):
+    """`x` cast to the travelling dtype (x itself if there is none)."""
+    if self.travels is None:
+      return x
+    return self.b.op(f"{where}/to_{self.travels.name}", "Cast", device, [x],
+                     {"SrcT": dtype, "DstT": self.travels, "Truncate": False}, *record)
+
+  def _raise(self, where, x, dtype, device, record):
+    """`x` cast back from the travelling dtype to the members' `dtype`."""
+    if self.travels is None:
+      return x
+    return self.b.op(f"{where}/to_{dtype.name}", "Cast", device, [x],
+                     {"SrcT": self.travels, "DstT": dtype, "Truncate": False}, *record)
 
   def _become_piece(self, member, piece, shape, dtype, device, where, k, dying=0):
     """Member result node `member` becomes the Reshape of its bucket piece,
@@ -87,11 +109,15 @@ class BucketWriter(object):
         else axis
 
   def _concat(self, where, parts, axis, device, dtype, record=()):
+    if len(parts) == 1:   # a bucket of one tensor (it travels in a lower dtype)
+      return parts[0]
     return self.b.op(where, "ConcatV2", device, parts + [self._axis(where, axis, device)],
                      {"T": dtype, "N": len(parts), "Tidx": _INT32}, *record)
 
   def _split(self, where, x, sizes, axis, device, dtype, record=()):
     """A SplitV of `x` into `sizes` along `axis` (as _axis takes it)."""
+    if len(sizes) == 1:
+      return x
     inputs = [x, self.b.int_val_const(f"{where}/sizes", sizes, device)]
     inputs.append(self._axis(where, axis, device))
     return self.b.op(where, "SplitV", device, inputs,
@@ -113,18 +139,23 @@ class BucketWriter(object):
     concat = self._concat(f"{where}/concat", rows, 1, device, dtype, last)
     total = sum(i.elements for i in bucket) // n
     key_const = self.b.int_val_const(f"{where}/instance_key", key, device)
+    sent = self._lower(where, concat, dtype, device, last)
     if first.op == "CollectiveAllToAllV2":
-      exchange = self._collective(first, [concat, first.input[1], first.input[2], key_const],
+      exchange = self._collective(first, [sent, first.input[1], first.input[2], key_const],
                                   f"{where}/all_to_all")
       self.b.add(exchange, *last)
+      # The blocks received are summed in the members' dtype.
       reduced = self.b.op(f"{where}/sum", "Sum", device,
-                          [exchange.name, self.b.int_val_const(f"{where}/sum/axis", 0, device)],
+                          [self._raise(where, exchange.name, dtype, device, last),
+                           self.b.int_val_const(f"{where}/sum/axis", 0, device)],
                           {"T": dtype, "Tidx": _INT32, "keep_dims": False}, *last)
     else:  # CollectiveReduceScatterV2: [1, total]
-      scatter = self._collective(first, [concat, first.input[1], first.input[2], key_const],
+      scatter = self._collective(first, [sent, first.input[1], first.input[2], key_const],
                                  f"{where}/reduce_scatter")
       self.b.add(scatter, *last)
-      reduced = self._reshape(f"{where}/flat", scatter.name, [total], device, dtype, last)
+      reduced = self._reshape(f"{where}/flat",
+                              self._raise(where, scatter.name, dtype, device, last), [total],
+                              device, dtype, last)
     split = self._split(f"{where}/split", reduced, [i.elements // n for i in bucket], 0,
                         device, dtype, last)
     for k, inst in enumerate(bucket):
@@ -171,12 +202,13 @@ class BucketWriter(object):
                                  device, dtype, (mine.source, d, mine.shared)))
     axis = self.b.int_val_const(f"{where}/axis", 0, device)
     concat = self._concat(f"{where}/concat", flats, axis, device, dtype, last)
-    reduced = self._collective(first, [concat, first.input[1], first.input[2],
+    reduced = self._collective(first, [self._lower(where, concat, dtype, device, last),
+                                       first.input[1], first.input[2],
                                        self.b.int_val_const(f"{where}/instance_key", key,
                                                             device)], f"{where}/all_reduce")
     self.b.add(reduced, *last)
-    split = self._split(f"{where}/split", reduced.name, [i.elements for i in bucket], axis,
-                        device, dtype, last)
+    split = self._split(f"{where}/split", self._raise(where, reduced.name, dtype, device, last),
+                        [i.elements for i in bucket], axis, device, dtype, last)
     for k, (inst, member) in enumerate(zip(bucket, members)):
       self._become_piece(member, f"{split}:{k}" if k else split, inst.local_shape, dtype,
                          device, where, k, dying=1)

@@ -5,7 +5,11 @@ reduce-scatter, and an all-gather of its update), each paying a fixed cost
 (launch, rendezvous, a ring of its own) that dominates for a model's many
 small tensors, so, like DDP's buckets and Horovod's tensor fusion, this
 module packs them per group and kind, in the order backward produces them,
-into buckets of at most `bucket_bytes` of one dtype. Every member of a group
+into buckets of at most `bucket_bytes` of one dtype. On request
+(`reduce_dtype`, SplitConfig.gradient_reduce_dtype) float32 gradients travel
+in bfloat16: half the bytes, each device's partial gradient rounded once and
+each partial sum of the reduction rounded again; an update's all-gather
+(weights) always travels in the weights' dtype. Every member of a group
 must issue the same buckets in the same order or the collectives deadlock, so
 each choice is made per collective instance from what all members share (the
 tensor, its global shape and sharding, its place in the original graph, the
@@ -33,6 +37,8 @@ BUCKET = "bucket"   # CollectiveRecord.kind of a bucket of all-reduces
 # ... of reduce-scatters and of all-gathers (optimizer-state sharding)
 REDUCE_SCATTER_BUCKET = "reduce_scatter_bucket"
 ALL_GATHER_BUCKET = "all_gather_bucket"
+# The kinds that carry gradients: a lower reduce dtype applies to them alone.
+_LOWERED_KINDS = ("all_reduce", "reduce_scatter")
 _BUCKET_KIND = {"all_reduce": BUCKET, "reduce_scatter": REDUCE_SCATTER_BUCKET,
                 "all_gather": ALL_GATHER_BUCKET}
 # Attrs the members of one bucket must share (the bucket's collective copies them).
@@ -51,7 +57,7 @@ class BucketRecord(CollectiveRecord):
   count('bucket') the collectives that carry them."""
   members: Tuple[str, ...] = ()    # the original tensors, in bucket order
   devices: Tuple[int, ...] = ()    # the group's logical device ids
-  local_bytes: int = 0             # bytes each device puts in
+  local_bytes: int = 0             # bytes each device puts in (in `dtype`)
 
 
 @dataclasses.dataclass
@@ -76,19 +82,24 @@ class _Instance:
   outputs: dict = None             # device id -> the node giving the result
   elements: int = 0                # local elements
   bytes: int = 0                   # local bytes
+  record: object = None            # the reshard's CollectiveRecord of the tensor
 
   def __post_init__(self):
     self.elements = int(np.prod(self.local_shape, dtype=np.int64))
     self.bytes = self.elements * dtypes.as_dtype(self.dtype).size
 
 
-def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes):
+def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes,
+                     reduce_dtype=None):
   """Packs the collectives over `data_axes` of `out` (a Materialized) that
   its records name into buckets of at most `bucket_bytes`, in place; returns
   a BucketRecord per bucket of two or more tensors (single ones stay as they
   are). A bucket launches when its last member is ready: no ordering is
-  added."""
-  if bucket_bytes <= 0 or not data_axes:
+  added. reduce_dtype: None, or 'bfloat16': float32 gradients (all-reduces
+  and reduce-scatters) travel in it, a bucket of one tensor as well, and
+  their records say so (CollectiveRecord.dtype: what travels)."""
+  wire = dtypes.as_dtype(reduce_dtype).as_datatype_enum if reduce_dtype else None
+  if (bucket_bytes <= 0 and wire is None) or not data_axes:
     return []
   builder = builder_lib.DeviceGraph.extending(out.graph_def, out.records)
   nodes = builder.created
@@ -110,21 +121,29 @@ def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes):
   for axis, group, kind in sorted(by_group, key=lambda k: (k[2] != "all_reduce", k)):
     group_index = groups.index((axis, group))
     prefix = "gradient_buckets" if kind == "all_reduce" else f"{kind}_buckets"
-    for index, bucket in enumerate(pack(by_group[(axis, group, kind)], bucket_bytes)):
-      key = _instance_key(bucket, used_keys)
+    lowered = wire if kind in _LOWERED_KINDS else None
+    for index, bucket in enumerate(pack(by_group[(axis, group, kind)], bucket_bytes,
+                                        lowered)):
+      travels = lowered if bucket[0].dtype == types_pb2.DT_FLOAT else None
+      key = _instance_key(bucket, used_keys, travels)
       base = f"{prefix}/{builder_lib.safe_axis(axis)}/group_{group_index}/bucket_{index}"
-      writer.emit(bucket, key, base)
+      writer.emit(bucket, key, base, travels)
+      size = dtypes.as_dtype(travels or bucket[0].dtype).size
       records.append(BucketRecord(
           _BUCKET_KIND[kind], axis, base, "", sum(i.global_elements for i in bucket),
-          members=tuple(i.tensor for i in bucket), devices=group,
-          local_bytes=sum(i.bytes for i in bucket)))
+          dtype=travels or bucket[0].dtype, members=tuple(i.tensor for i in bucket),
+          devices=group, local_bytes=sum(i.elements for i in bucket) * size))
+      for inst in bucket if travels else ():
+        inst.record.dtype = travels
   writer.finish()
   return records
 
 
-def pack(instances, bucket_bytes):
+def pack(instances, bucket_bytes, lowered=None):
   """Buckets (lists of 2 or more instances) of `instances` of one group, in
-  the order backward produces them; a tensor over the cap stays alone."""
+  the order backward produces them; a tensor over the cap stays alone.
+  lowered: a float32 tensor alone is a bucket of one too (it travels in
+  this dtype)."""
   buckets, open_buckets, filled = [], {}, {}
   for inst in sorted(instances, key=lambda i: (i.position, i.key)):
     current = open_buckets.get(inst.attrs)
@@ -137,7 +156,8 @@ def pack(instances, bucket_bytes):
     current.append(inst)
     filled[inst.attrs] += inst.bytes
   buckets.extend(open_buckets.values())
-  buckets = [b for b in buckets if len(b) > 1]
+  buckets = [b for b in buckets
+             if len(b) > 1 or (lowered and b[0].dtype == types_pb2.DT_FLOAT)]
   buckets.sort(key=lambda b: (b[-1].position, b[-1].key))
   return buckets
 
@@ -199,7 +219,7 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
     candidates.append(_Instance(
         axis, group, here, group_key, key, {d: c for d, c, _, _ in members}, source,
         record.tensor, shape, dtype, attrs, position[source], record.num_elements,
-        kind, {d: r for d, _, r, _ in members}))
+        kind, {d: r for d, _, r, _ in members}, record=record))
   return _independent(candidates, nodes, consumers)
 
 
@@ -297,11 +317,13 @@ def _int_const(nodes, text):
   return int(value) if value.size == 1 and value.dtype.kind in "iu" else None
 
 
-def _instance_key(bucket, used):
-  """An instance key fixed by the bucket's group, members and local shapes
-  (TF caches a collective's shape per key in a process: a different bucket
-  must get a different key), clear of every other key of the graph."""
+def _instance_key(bucket, used, travels=None):
+  """An instance key fixed by the bucket's group, members, local shapes and
+  the dtype it travels in (TF caches a collective's shape and type per key
+  in a process: a different bucket must get a different key), clear of
+  every other key of the graph."""
   kind = () if bucket[0].kind == "all_reduce" else (bucket[0].kind,)
+  kind += (travels,) if travels else ()
   text = repr((bucket[0].group_key, bucket[0].dtype,
                [(i.tensor, i.local_shape) for i in bucket]) + kind)
   key = _KEY_BIT | (zlib.crc32(text.encode()) & (_KEY_BIT - 1))
