@@ -99,6 +99,21 @@ def test_unknown_strategy_cli(tmp_path, capsys):
              "--strategy=bogus", "megatron|none")
 
 
+# --- mesh axes ---------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh,axis", [("foo=2", "foo"), ("dp=2,pd=2", "pd")])
+def test_unknown_mesh_axis_cli(mesh, axis, tmp_path, capsys):
+  # A typo must not silently split tensors as if it were 'tp'.
+  _cli_error(tmp_path, capsys, [MLP, "--mesh", mesh],
+             f"unknown mesh axis '{axis}'", "dp, tp, pp")
+
+
+def test_microbatch_axis_in_a_mesh_is_refused():
+  with pytest.raises(PlanError, match="micro-batch axis the rewrite adds itself"):
+    split_graph(_mlp(), Mesh.parse("dp=2,mb=2"))
+  with pytest.raises(PlanError, match="unknown mesh axis 'model'"):
+    split_graph(_mlp(), Mesh.parse("tp=2"), axis="model")
+
+
 # --- plan inference ------------------------------------------------------------------------
 def _chain_of_variables(n):
   """x @ w, times a0; a0 * a1; a1 * a2; ...: each a_i's sharding can only be

@@ -9,6 +9,8 @@ DATA_AXIS = "dp"          # replicas, each on a slice of the batch
 MICROBATCH_AXIS = "mb"    # micro-batches, run one after another on one device
 PIPELINE_AXIS = "pp"      # pipeline stages
 TENSOR_AXIS = "tp"        # operator splitting (Megatron)
+# The axes a user may name in a mesh; 'mb' is added by the rewrite itself.
+USER_MESH_AXES = (DATA_AXIS, TENSOR_AXIS, PIPELINE_AXIS)
 BATCH_AXES = (DATA_AXIS, MICROBATCH_AXIS)        # what splits the batch, outer first
 NON_MODEL_AXES = (DATA_AXIS, MICROBATCH_AXIS, PIPELINE_AXIS)
 

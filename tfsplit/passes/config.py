@@ -25,6 +25,19 @@ GRADIENT_REDUCE_DTYPES = ("bfloat16",)
 DEFAULT_BUCKET_BYTES = constants.DEFAULT_BUCKET_BYTES
 
 
+def check_mesh_axes(names, axis=None):
+  """Refuse a mesh axis without a meaning: a typo ('pd=2') must not split tensors."""
+  known = ", ".join(constants.USER_MESH_AXES)
+  for name in list(names) + ([axis] if axis else []):
+    if name == constants.MICROBATCH_AXIS:
+      raise PlanError(f"mesh axis '{name}' is the micro-batch axis the rewrite adds "
+                      f"itself; drop it from the mesh and pass microbatches=N "
+                      f"(--microbatches N); the axes are {known}")
+    if name not in constants.USER_MESH_AXES:
+      raise PlanError(f"unknown mesh axis '{name}': the axes are {known} (data, tensor "
+                      "and pipeline parallelism); rename it, e.g. --mesh tp=2")
+
+
 @dataclasses.dataclass(frozen=True)
 class SplitConfig:
   """mesh: a sharding.Mesh (its 'dp' axis splits the batch, 'pp' cuts stages,
@@ -87,6 +100,7 @@ class SplitConfig:
   gradient_reduce_dtype: Optional[str] = None
 
   def __post_init__(self):
+    check_mesh_axes(self.mesh.axis_names, self.axis)
     recompute_lib.parse(self.recompute)
     if int(self.microbatches) < 1:
       raise PlanError(f"microbatches must be >= 1, got {self.microbatches}")
