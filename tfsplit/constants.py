@@ -9,10 +9,15 @@ DATA_AXIS = "dp"          # replicas, each on a slice of the batch
 MICROBATCH_AXIS = "mb"    # micro-batches, run one after another on one device
 PIPELINE_AXIS = "pp"      # pipeline stages
 TENSOR_AXIS = "tp"        # operator splitting (Megatron)
+EXPERT_AXIS = "ep"        # experts of a mixture-of-experts layer (and the batch elsewhere)
 # The axes a user may name in a mesh; 'mb' is added by the rewrite itself.
-USER_MESH_AXES = (DATA_AXIS, TENSOR_AXIS, PIPELINE_AXIS)
-BATCH_AXES = (DATA_AXIS, MICROBATCH_AXIS)        # what splits the batch, outer first
-NON_MODEL_AXES = (DATA_AXIS, MICROBATCH_AXIS, PIPELINE_AXIS)
+USER_MESH_AXES = (DATA_AXIS, TENSOR_AXIS, PIPELINE_AXIS, EXPERT_AXIS)
+# What splits the batch, outer first. 'ep' is the minor part, so a device's
+# block of the batch under dp*mb*ep is its ep member's share of the dp*mb
+# block: moving the split from the batch to the experts is one all-to-all
+# over 'ep' (GShard's dispatch), within each micro-batch.
+BATCH_AXES = (DATA_AXIS, MICROBATCH_AXIS, EXPERT_AXIS)
+NON_MODEL_AXES = (DATA_AXIS, MICROBATCH_AXIS, PIPELINE_AXIS, EXPERT_AXIS)
 
 # Gradient bucket cap of data-parallel all-reduces (PyTorch DDP's default,
 # 25 MiB): the rewrite's default and what the planner prices.

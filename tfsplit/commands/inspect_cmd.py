@@ -82,7 +82,7 @@ def mesh_fallbacks(source, mesh, fv):
   recover.require_variable_shapes(graph_def, source)
   config = SplitConfig(mesh, strategy=fv.strategy, microbatches=fv.microbatches,
                        annotations=dict(parse_annotation(a) for a in fv.annotate))
-  state = split_lib.SplitState(config, mesh.with_microbatches(int(config.microbatches)),
+  state = split_lib.SplitState(config, config.split_mesh(),
                                Analysis(graph_def))
   last = split_lib.PASSES.index(split_lib.assign_stages)
   for pass_fn in split_lib.PASSES[:last + 1]:

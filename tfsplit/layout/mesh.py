@@ -9,6 +9,7 @@ import itertools
 import re
 
 from tfsplit.errors import PlanError
+from tfsplit.layout import spec as spec_lib
 
 _AXIS_RE = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)\s*=\s*([0-9]+)\s*$")
 
@@ -72,9 +73,7 @@ class Mesh(object):
   # Compound axes: "dp*mb" splits one tensor dimension over two mesh axes,
   # the first major (a batch split over data-parallel replicas and, within
   # each, over micro-batches).
-  @staticmethod
-  def axis_parts(axis):
-    return axis.split("*")
+  axis_parts = staticmethod(spec_lib.axis_parts)
 
   @property
   def on_gpus(self):

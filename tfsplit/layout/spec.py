@@ -22,6 +22,29 @@ from tfsplit.errors import PlanError
 CONSTRAINT_ATTR = "_tfsplit_sharding"
 
 
+def axis_parts(axis):
+  """The mesh axes of a (possibly compound) axis: 'dp*mb*ep' -> ['dp', 'mb', 'ep'].
+
+  A compound axis splits one dimension over several mesh axes, the first
+  major (the batch over data-parallel replicas, micro-batches and experts)."""
+  return axis.split("*")
+
+
+def join_parts(parts):
+  """The compound axis of `parts` in order, None for no parts."""
+  return "*".join(parts) if parts else None
+
+
+def without_part(axis, part):
+  """`axis` less mesh axis `part` ('dp*mb*ep' less 'ep' -> 'dp*mb'; 'ep' -> None)."""
+  return join_parts([p for p in axis_parts(axis) if p != part])
+
+
+def overlaps(axis, parts):
+  """Whether (possibly compound) `axis` uses a mesh axis in the set `parts`."""
+  return any(p in parts for p in axis_parts(axis))
+
+
 @dataclasses.dataclass(frozen=True)
 class Sharding:
   dims: Tuple[Optional[str], ...]
@@ -48,6 +71,11 @@ class Sharding:
   @property
   def axes_used(self):
     return {d for d in self.dims if d is not None} | set(self.partial)
+
+  @property
+  def parts_used(self):
+    """The mesh axes it uses, compound axes taken apart."""
+    return {p for a in self.axes_used for p in axis_parts(a)}
 
   def split_dims(self):
     return [(i, a) for i, a in enumerate(self.dims) if a is not None]

@@ -10,6 +10,7 @@ from typing import Dict, List, Optional, Tuple
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.layout.mesh import Mesh
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.pipeline.schedules import Interleaved
@@ -34,8 +35,8 @@ def check_mesh_axes(names, axis=None):
                       f"itself; drop it from the mesh and pass microbatches=N "
                       f"(--microbatches N); the axes are {known}")
     if name not in constants.USER_MESH_AXES:
-      raise PlanError(f"unknown mesh axis '{name}': the axes are {known} (data, tensor "
-                      "and pipeline parallelism); rename it, e.g. --mesh tp=2")
+      raise PlanError(f"unknown mesh axis '{name}': the axes are {known} (data, tensor, "
+                      "pipeline and expert parallelism); rename it, e.g. --mesh tp=2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +168,16 @@ class SplitConfig:
   def stages(self):
     return self.mesh.axes.get(constants.PIPELINE_AXIS, 1)
 
+  def split_mesh(self):
+    """The mesh the passes split over: the config's, plus the micro-batch
+    axis, plus (expert parallelism without 'dp') a 'dp' of size 1 in front,
+    so the batch split is always a compound holding 'ep' (dp*ep, dp*mb*ep)
+    and an experts' split over 'ep' alone is never mistaken for it."""
+    mesh = self.mesh
+    if mesh.axes.get(constants.EXPERT_AXIS, 1) > 1 and constants.DATA_AXIS not in mesh.axes:
+      mesh = Mesh({constants.DATA_AXIS: 1, **mesh.axes}, mesh.devices)
+    return mesh.with_microbatches(int(self.microbatches))
+
   def split_axis(self, mesh):
     """The axis the strategy splits weights over, or None."""
     if self.axis:
@@ -177,6 +188,7 @@ class SplitConfig:
     return model[-1] if model else None
 
   def batch_axis(self, mesh):
-    """'dp', 'mb' or the compound 'dp*mb' that splits the batch, or None."""
+    """'dp', 'mb', 'ep' or the compound ('dp*mb', 'dp*mb*ep', ...) that
+    splits the batch, or None."""
     parts = [a for a in constants.BATCH_AXES if a in mesh.axes]
     return "*".join(parts) if parts else None

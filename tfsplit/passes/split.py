@@ -73,6 +73,7 @@ from tfsplit.sharding.materialize import materialize
 from tfsplit.layout.mesh import is_gpu
 from tfsplit.sharding.propagate import propagate
 from tfsplit.layout.spec import Sharding
+from tfsplit.strategies import experts as experts_lib
 from tfsplit.strategies.megatron import megatron_plan
 
 
@@ -100,6 +101,8 @@ class SplitState:
   # (None: not known)
   inputs_come_first: Optional[bool] = None
   task_part: object = None  # extract_task's sharding.tasks.TaskPart, or None
+  # plan_variables' strategies.experts.ExpertWeight list (an 'ep' axis), or ()
+  experts: tuple = ()
 
 
 # --- passes ----------------------------------------------------------------------
@@ -144,6 +147,18 @@ def plan_variables(state):
   if config.strategy == "megatron" and axis is not None:
     state.plan.update(megatron_plan(analysis.graph, analysis.shapes, analysis.variables,
                                     axis=axis, mesh=mesh, roles=analysis.roles))
+  if mesh.axes.get(constants.EXPERT_AXIS, 1) > 1:
+    state.experts = experts_lib.find_expert_weights(analysis.graph, analysis.shapes,
+                                                    analysis.variables, analysis.roles)
+    annotated = _annotation_plan(analysis.variables, config.annotations, mesh)
+    if not state.experts and not any(constants.EXPERT_AXIS in dims
+                                     for dims in annotated.values()):
+      raise PlanError(
+          f"mesh {config.mesh} has an '{constants.EXPERT_AXIS}' axis but the graph has no "
+          "expert weights (a trainable [experts, ...] variable whose dimension 0 an einsum "
+          "or batched matmul keeps in its output); drop the axis, or annotate the expert "
+          f"weights (--annotate 'NAME={constants.EXPERT_AXIS},-,-')")
+    state.plan.update(experts_lib.expert_plan(state.experts, mesh, state.plan))
   state.plan.update(_annotation_plan(analysis.variables, config.annotations, mesh))
   state.explicit = dict(state.plan)
   batch_axis = config.batch_axis(mesh)
@@ -468,7 +483,7 @@ PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
 @without_gc
 def run_passes(graph_def, config):
   """SplitResult of running PASSES over `graph_def` under `config`."""
-  state = SplitState(config, config.mesh.with_microbatches(int(config.microbatches)),
+  state = SplitState(config, config.split_mesh(),
                      Analysis(graph_def))
   for pass_fn in PASSES:
     pass_fn(state)

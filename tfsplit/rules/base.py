@@ -46,6 +46,9 @@ class OpContext:
   out_infos: list                       # TensorInfo per output
   const_inputs: list                    # numpy value per data input or None
   handle_specs: list                    # variable Sharding behind resource inputs
+  # Per data input, whether it is a variable's value (its read, through
+  # Identity / Cast / Reshape): a weight, not an activation.
+  weight_inputs: tuple = ()
 
   def rank(self, i):
     info = self.in_infos[i]

@@ -8,7 +8,7 @@ one input of a product (Mul, the numerator of RealDiv, the dy of ReluGrad).
 import dataclasses
 
 from tfsplit.rules.base import Decision, divisible, register
-from tfsplit.layout.spec import Sharding, constraint_of
+from tfsplit.layout.spec import Sharding, axis_parts, constraint_of, overlaps
 
 UNARY = (
     "Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Exp", "Log",
@@ -52,11 +52,11 @@ def broadcast_decision(ctx, linear_inputs):
     offset = out_rank - len(info.shape)
     for i, axis in spec.split_dims():
       o = i + offset
-      if axis in used or out_dims[o] is not None:
+      if overlaps(axis, used) or out_dims[o] is not None:
         continue
       if info.shape[i] == out_shape[o] and divisible(out_shape[o], ctx, axis):
         out_dims[o] = axis
-        used.add(axis)
+        used.update(axis_parts(axis))
   # 2. Partial sums.
   partials = [s.partial if s is not None else frozenset() for s in ins]
   out_partial = frozenset()
@@ -74,7 +74,7 @@ def broadcast_decision(ctx, linear_inputs):
         out_partial = partials[candidates[0]]
         keep_partial[candidates[0]] = True
   # An output partial over an axis that also splits a dim is impossible.
-  if out_partial & set(out_dims):
+  if any(overlaps(a, used) for a in out_partial):
     out_partial, keep_partial = frozenset(), [False] * len(ins)
   # 3. Required input shardings.
   required = []

@@ -9,7 +9,7 @@ All are linear, so partial sums pass through.
 import numpy as np
 
 from tfsplit.rules.base import Decision, divisible, fallback, register
-from tfsplit.layout.spec import Sharding
+from tfsplit.layout.spec import Sharding, axis_parts, overlaps
 
 
 def _const_int(ctx, i):
@@ -120,9 +120,9 @@ def _merged_dims(specs, skip=None):
   dims, used = [None] * specs[0].rank, set()
   for spec in specs:
     for i, axis in spec.split_dims():
-      if i != skip and dims[i] is None and axis not in used:
+      if i != skip and dims[i] is None and not overlaps(axis, used):
         dims[i] = axis
-        used.add(axis)
+        used.update(axis_parts(axis))
   return dims
 
 

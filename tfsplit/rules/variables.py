@@ -7,7 +7,7 @@ ops (ResourceApplyAdam, ...) require every var-shaped input in it.
 """
 from tfsplit.errors import PlanError
 from tfsplit.rules.base import Decision, register
-from tfsplit.layout.spec import Sharding
+from tfsplit.layout.spec import Sharding, axis_parts, overlaps
 
 
 @register("ReadVariableOp")
@@ -35,8 +35,9 @@ def resource_gather(ctx):
 def _indices_spec(indices, taken):
   """Indices without partial sums and without splits over an axis that already
   splits the (non-gathered) params dimensions (one axis, one dimension)."""
-  taken = {a for a in taken if a is not None}
-  return Sharding(tuple(None if a in taken else a for a in indices.dims))
+  taken = {p for a in taken if a is not None for p in axis_parts(a)}
+  return Sharding(tuple(None if a is not None and overlaps(a, taken) else a
+                        for a in indices.dims))
 
 
 @register("GatherV2")
@@ -56,13 +57,14 @@ def gather_v2(ctx):
   nb = nb + indices.rank if nb < 0 else nb
   p_dims = list(params.dims)
   p_dims[axis] = None
-  used = set(params.partial)
+  used = {p for a in params.partial for p in axis_parts(a)}
   batch = []
   for k in range(nb):
     a = p_dims[k] if p_dims[k] is not None else indices.dims[k]
-    batch.append(None if a in used else a)
-    used.add(a)
-  p_dims = batch + [None if a in used else a for a in p_dims[nb:]]
+    batch.append(None if a is not None and overlaps(a, used) else a)
+    if a is not None:
+      used.update(axis_parts(a))
+  p_dims = batch + [None if a is not None and overlaps(a, used) else a for a in p_dims[nb:]]
   rest = _indices_spec(Sharding(indices.dims[nb:]), p_dims + list(params.partial))
   i_dims = batch + list(rest.dims)
   out = p_dims[:axis] + i_dims[nb:] + p_dims[axis + 1:]

@@ -30,6 +30,8 @@ _MAX_ROUNDS = 6
 STRICT_RULES_ENV = "TFSPLIT_STRICT_RULES"
 # Ops that pass a resource handle through unchanged.
 _HANDLE_PASSTHROUGH = frozenset(["Identity", "IdentityN"])
+# Ops through which a variable's read is still that weight's value.
+_WEIGHT_VIEWS = frozenset(["Identity", "Cast", "Reshape", "Snapshot"])
 # Kinds of _StaticInputs rows the forward sweep treats apart.
 _VARIABLE, _PASSTHROUGH, _PLACEHOLDER = "variable", "passthrough", "placeholder"
 
@@ -141,8 +143,11 @@ class _StaticInputs(object):
         return consts[src]
       return None
 
-    # (name, node, kind, data, in_infos, out_infos, const_inputs, resource);
-    # kind: _VARIABLE, _PASSTHROUGH (forwards a handle), _PLACEHOLDER or None.
+    # Nodes whose output is a variable's value (OpContext.weight_inputs).
+    self.weight_values = set()
+    # (name, node, kind, data, in_infos, out_infos, const_inputs, resource,
+    # weight inputs); kind: _VARIABLE, _PASSTHROUGH (forwards a handle),
+    # _PLACEHOLDER or None.
     self.rows = []
     # Read by every round's checks: (name, data inputs, is an assign) of each
     # op, and which of them are not sharding constraints.
@@ -156,7 +161,7 @@ class _StaticInputs(object):
       op = op_of[name] = node.op
       out_infos = shapes[name] if name in shapes else []
       if name in self.var_nodes:
-        self.rows.append((name, node, _VARIABLE, (), (), out_infos, (), ()))
+        self.rows.append((name, node, _VARIABLE, (), (), out_infos, (), (), ()))
         continue
       data = graph.data_inputs(name)
       in_infos = tuple(get(src, port) for src, port in data)
@@ -166,10 +171,13 @@ class _StaticInputs(object):
         kind = _PASSTHROUGH
       elif op == "Placeholder":
         kind = _PLACEHOLDER
+      weights = tuple(src in self.weight_values for src, _ in data)
+      if op == "ReadVariableOp" or (op in _WEIGHT_VIEWS and weights and weights[0]):
+        self.weight_values.add(name)
       self.rows.append((name, node, kind, data, in_infos, out_infos,
                         tuple(const_input(src, info) for (src, _), info in
                               zip(data, in_infos)),
-                        resource))
+                        resource, weights))
       self.ops.append((name, data, op in constants.ASSIGN_OPS))
       if data and (op != "Identity" or constraint_of(node) is None):
         self.unconstrained.append((name, data))
@@ -205,7 +213,8 @@ def _propagate_once(static, mesh, variable_specs, input_specs, reduce_at_source,
   outputs, decisions, handle_source, fallbacks, reduced = {}, {}, {}, [], {}
   for name in var_nodes:
     handle_source[name] = name
-  for name, node, kind, data, in_infos, out_infos, const_inputs, resource in static.rows:
+  for name, node, kind, data, in_infos, out_infos, const_inputs, resource, weights \
+      in static.rows:
     if kind is _VARIABLE:
       outputs[name] = [None]
       continue
@@ -235,7 +244,7 @@ def _propagate_once(static, mesh, variable_specs, input_specs, reduce_at_source,
           fallbacks.append(message)
       else:
         ctx = OpContext(node, mesh, in_specs, list(in_infos), out_infos,
-                        list(const_inputs), handle_specs)
+                        list(const_inputs), handle_specs, weights)
         count = len(fallbacks)
         decision = _decide(ctx, fallbacks)
         memo[name] = (key, decision, fallbacks[-1] if len(fallbacks) > count else None)

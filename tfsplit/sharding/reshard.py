@@ -38,7 +38,7 @@ from tensorflow.core.framework import types_pb2
 from tfsplit.errors import PlanError
 from tfsplit.sharding.builder import safe_axis, tensor
 from tfsplit.sharding.collectives import collective_node
-from tfsplit.layout.spec import Sharding
+from tfsplit.layout.spec import Sharding, axis_parts, join_parts, without_part
 
 
 @dataclasses.dataclass
@@ -149,23 +149,30 @@ class Resharder(object):
         if dim is not None:
           current = self._reduce_scatter(current, ids, info, spec, dim, part, what)
           dims = list(spec.dims)
-          dims[dim] = part
+          dims[dim] = _appended(dims[dim], part)
           spec = Sharding(tuple(dims), spec.partial)
         else:
           current = self._all_reduce(current, ids, info, part, what)
       spec = Sharding(spec.dims, spec.partial - {axis})
-    for dim, axis in spec.split_dims():
-      if want.dims[dim] == axis:
+    for dim in range(spec.rank):
+      axis = spec.dims[dim]
+      if axis is None or want.dims[dim] == axis:
         continue
       target = self._exchange_dim(spec, want, dim, axis, info)
       if target is not None:
-        current = self._all_to_all(current, ids, info, spec, dim, target, axis, what)
+        # The minor part of `axis` moves to `target` (all of it for a plain axis).
+        part = axis_parts(axis)[-1]
+        current = self._all_to_all(current, ids, info, spec, dim, target, part, what)
         dims = list(spec.dims)
-        dims[dim], dims[target] = None, axis
+        dims[dim], dims[target] = without_part(axis, part), _appended(dims[target], part)
         spec = Sharding(tuple(dims), spec.partial)
-        continue
-      # Minor part first, so blocks end up in compound-coordinate order.
-      for part in reversed(self.mesh.axis_parts(axis)):
+        axis = spec.dims[dim]
+        if axis is None or want.dims[dim] == axis:
+          continue
+      # The parts `want` does not keep (it may split finer: the slice below),
+      # minor part first, so blocks end up in compound-coordinate order.
+      kept = _common_prefix(axis, want.dims[dim])
+      for part in reversed(axis_parts(axis)[len(kept):]):
         if self.mesh.axes[part] == 1:
           continue
         if part in self.local_axes:
@@ -174,7 +181,7 @@ class Resharder(object):
           current = self._all_gather(current, ids, info, dim, part, what,
                                      spec if part == axis else None)
       dims = list(spec.dims)
-      dims[dim] = None
+      dims[dim] = join_parts(kept)
       spec = Sharding(tuple(dims), spec.partial)
     if any(w is not None and w != s for w, s in zip(want.dims, spec.dims)):
       current = self.slice(current, ids, info, spec, want, what)
@@ -186,21 +193,32 @@ class Resharder(object):
         self._scatter_dim(spec, want, part, info) is not None
 
   def _scatter_dim(self, spec, want, axis, info):
-    """The dimension a reduce-scatter over `axis` can split straight away."""
-    if axis in self.local_axes:
+    """The dimension a reduce-scatter over `axis` can split straight away
+    (whole there, or split over what `want` splits it over less `axis`, its
+    minor part: the experts' partial output of a dense-routed layer going
+    back to the batch split dp*mb*ep)."""
+    if axis in self.local_axes or any(
+        d is not None and axis in axis_parts(d) for d in spec.dims):
       return None
     for dim, w in enumerate(want.dims):
-      if w == axis and spec.dims[dim] is None and axis not in spec.dims:
-        return dim if info.shape[dim] % self.mesh.axes[axis] == 0 else None
+      if w is not None and w == _appended(spec.dims[dim], axis):
+        local = spec.local_shape(info.shape, self.mesh)
+        return dim if local[dim] % self.mesh.axes[axis] == 0 else None
     return None
 
   def _exchange_dim(self, spec, want, dim, axis, info):
-    """The dimension an all-to-all over `axis` can move the split of `dim` to."""
-    if axis not in self.mesh.axes or axis in self.local_axes or self.mesh.axes[axis] == 1:
+    """The dimension an all-to-all over the minor part of `axis` can move the
+    split of `dim` to: one `want` splits over that part (after what splits it
+    now), while `want` keeps no part of it on `dim`."""
+    part = axis_parts(axis)[-1]
+    if part not in self.mesh.axes or part in self.local_axes or self.mesh.axes[part] == 1:
       return None
+    if want.dims[dim] is not None and part in axis_parts(want.dims[dim]):
+      return None
+    local = spec.local_shape(info.shape, self.mesh)
     for target, w in enumerate(want.dims):
-      if w == axis and target != dim and spec.dims[target] is None \
-          and info.shape[target] % self.mesh.axes[axis] == 0:
+      if target != dim and w is not None and w == _appended(spec.dims[target], part) \
+          and local[target] % self.mesh.axes[part] == 0:
         return target
     return None
 
@@ -439,8 +457,10 @@ class Resharder(object):
           f"{'_'.join(safe_axis(a) if a else 'r' for a in want.dims)}/shard_{d}")
       begin = [0] * len(info.shape)
       for i, axis in enumerate(want.dims):
-        if axis is not None and have.dims[i] is None:
-          begin[i] = self.mesh.coord_of(d, axis) * want_local[i]
+        if axis is not None and have.dims[i] != axis:
+          # Within the block `have` holds: the coordinate of the parts `want` adds.
+          added = join_parts(axis_parts(axis)[len(_common_prefix(axis, have.dims[i])):])
+          begin[i] = self.mesh.coord_of(d, added) * want_local[i]
       node = node_def_pb2.NodeDef(
           name=base if names else self.b.unique(base), op="Slice", device=device,
           input=[current[d], self.b.int_const(base + "/begin", begin, device),
@@ -452,3 +472,20 @@ class Resharder(object):
         self._note_shared(current, d, node.name)
       out[d] = node.name
     return out
+
+
+def _appended(axis, part):
+  """`axis` with mesh axis `part` as its new minor part ('dp*mb' + 'ep')."""
+  return part if axis is None else f"{axis}*{part}"
+
+
+def _common_prefix(axis, other):
+  """The leading parts of `axis` that `other` starts with too."""
+  if other is None:
+    return []
+  kept = []
+  for mine, theirs in zip(axis_parts(axis), axis_parts(other)):
+    if mine != theirs:
+      break
+    kept.append(mine)
+  return kept

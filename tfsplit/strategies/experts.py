@@ -1,0 +1,80 @@
+"""Expert parallelism: stacked expert weights split over 'ep', found from the graph.
+
+A mixture-of-experts layer keeps its E experts' matrices stacked, [E, d, f],
+and meets the tokens by an einsum or batched matmul in which the expert
+dimension survives into the output (`becd,edf->becf` after a GShard
+dispatch, `btd,edf->btef` when every expert computes every token). Such a
+weight is an *expert weight*: its dimension 0 is split over 'ep', so each
+device holds E/ep whole experts (and, through the propagation, their
+gradients and optimizer slots). Everything else is data-parallel over
+dp*mb*ep; the contraction rule (rules/matmul.py) sends each token to its
+experts' devices by an all-to-all and brings the results back.
+
+With 'tp' as well, an expert's own matrices are split by the megatron preset
+inside each expert (a column split of [E, d, f] moves from E to f).
+"""
+import dataclasses
+from typing import Dict, List, Tuple
+
+from tfsplit import constants
+from tfsplit.errors import PlanError
+from tfsplit.strategies.megatron import _operand_letters, find_weight_contractions
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertWeight:
+  variable: str          # the variable's name
+  node: str              # its handle node
+  experts: int           # size of its expert dimension (0)
+  rank: int
+  contractions: Tuple[str, ...]  # the forward contractions reading it
+
+
+def find_expert_weights(graph, shapes, variables, roles=None) -> List[ExpertWeight]:
+  """The expert weights of the graph (rank >= 3 trainable variables whose
+  dimension 0 a forward contraction keeps in its output), in graph order."""
+  found: Dict[str, list] = {}
+  info = {}
+  for name, operand, var, chain in find_weight_contractions(graph, shapes, variables, roles):
+    if len(var.shape) < 3 or None in var.shape:
+      continue
+    node = graph.node(name)
+    data = [t for t in node.input if not t.startswith("^")]
+    operand_info = shapes.get(data[operand])
+    if operand_info is None or operand_info.shape is None or \
+        tuple(operand_info.shape) != tuple(var.shape):
+      continue  # read through a reshape: its dimension 0 is not known to be E
+    letters, out_letters = _operand_letters(node, shapes)
+    if letters[operand][0] not in out_letters:
+      continue
+    found.setdefault(var.node, []).append(name)
+    info[var.node] = var
+  return [ExpertWeight(info[h].name, h, int(info[h].shape[0]), len(info[h].shape),
+                       tuple(names))
+          for h, names in found.items()]
+
+
+def expert_plan(experts, mesh, tensor_plan=None, axis=constants.EXPERT_AXIS):
+  """{variable handle: dims}: dimension 0 of each expert weight over `axis`,
+  on top of the tensor plan's split of it (moved off dimension 0 if the
+  tensor plan put it there: a column split of stacked experts)."""
+  n = mesh.axes.get(axis, 1)
+  plan = {}
+  tensor_plan = tensor_plan or {}
+  for expert in experts:
+    if expert.experts % n:
+      raise PlanError(
+          f"variable '{expert.variable}' stacks {expert.experts} experts (dimension 0, "
+          f"read by node '{expert.contractions[0]}'), which do not divide by {axis}={n}; "
+          f"use an {axis} size that divides {expert.experts}")
+    dims = list(tensor_plan.get(expert.node) or (None,) * expert.rank)
+    if dims[0] is not None:
+      # The tensor axis splits the expert's output features instead: the
+      # last dimension of a stacked [E, d, f] column weight.
+      moved = dims[0]
+      dims[0] = None
+      if dims[-1] is None:
+        dims[-1] = moved
+    dims[0] = axis
+    plan[expert.node] = tuple(dims)
+  return plan
