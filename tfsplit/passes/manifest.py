@@ -19,7 +19,9 @@
          "optimizer_slot_of": weight, "zero_kept": why}},
          # with offload: a slot's shard lives on its device's host
          # ("device") and names the mesh device it serves ("offloaded_from")
-     "outputs": {output: [[device, local tensor], ...]}}   # every whole copy
+     "outputs": {output: [[device, local tensor], ...]},   # every whole copy
+     "experts": {weight: experts}}        # expert weights split over 'ep' (their
+                                          # slots follow them), experts stacked in each
 
 Each shard says which block of its variable it holds (offsets, shape) on
 which device; an optimizer slot split over dp is one block per replica, and
@@ -27,6 +29,8 @@ checkpoint conversion (runtime/shards.py) puts the blocks back together.
 """
 import json
 import os
+
+import numpy as np
 
 from tfsplit.errors import TfsplitError
 from tfsplit.fileio import write_atomically
@@ -52,7 +56,22 @@ def build(result, source=None):
           "offload": getattr(config, "offload", None),
           "gradient_reduce": gradient_reduce(result),
           "source": os.path.abspath(source) if source else None,
-          "variables": result.manifest, "outputs": result.output_copies}
+          "variables": result.manifest, "outputs": result.output_copies,
+          "experts": {e.variable: e.experts for e in getattr(result, "experts", ())}}
+
+
+def bytes_per_device(variables, names=None):
+  """{device id: bytes of the variables' shards it holds} from a manifest's
+  "variables" (only those in `names`, if given)."""
+  held = {}
+  for name, entry in variables.items():
+    if names is not None and name not in names:
+      continue
+    size = np.dtype(entry["dtype"]).itemsize
+    for shard in entry["shards"]:
+      d = shard["device_id"]
+      held[d] = held.get(d, 0) + int(np.prod(shard["shape"], dtype=np.int64)) * size
+  return held
 
 
 def gradient_reduce(result):

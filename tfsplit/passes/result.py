@@ -21,6 +21,8 @@ class SplitResult:
   offload: object = None                         # memory.offload.OffloadPlan, or None
   offloaded_nodes: int = 0                       # split-graph nodes moved to a host
   task: object = None                            # sharding.tasks.TaskPart, or None
+  # expert parallelism: the strategies.experts.ExpertWeight split over 'ep'
+  experts: tuple = ()
 
   def count(self, kind, axis=None):
     return sum(1 for c in self.collectives

@@ -498,7 +498,7 @@ def run_passes(graph_def, config):
   return SplitResult(out.graph_def, out.manifest, out.collectives, prop.fallbacks, var_specs,
                      out.output_copies, out.records, config, state.mesh, state.partition,
                      state.stage_of, state.schedule_edges, state.offload,
-                     state.offloaded_nodes, state.task_part)
+                     state.offloaded_nodes, state.task_part, tuple(state.experts))
 
 
 def split_graph(graph_def, mesh, strategy="megatron", annotations=None,

@@ -52,7 +52,15 @@ def broadcast_decision(ctx, linear_inputs):
     offset = out_rank - len(info.shape)
     for i, axis in spec.split_dims():
       o = i + offset
-      if overlaps(axis, used) or out_dims[o] is not None:
+      finer = out_dims[o] is not None and _extends(axis, out_dims[o])
+      if finer:
+        # A finer split of the same dimension (the batch over dp*mb*ep where
+        # another input has it over dp*mb): the coarser input is sliced
+        # locally, free, rather than this one gathered.
+        added = set(axis_parts(axis)) - set(axis_parts(out_dims[o]))
+        if overlaps("*".join(added), used):
+          continue
+      elif overlaps(axis, used) or out_dims[o] is not None:
         continue
       if info.shape[i] == out_shape[o] and divisible(out_shape[o], ctx, axis):
         out_dims[o] = axis
@@ -89,6 +97,12 @@ def broadcast_decision(ctx, linear_inputs):
       dims.append(out_dims[o] if size == out_shape[o] else None)
     required.append(Sharding(tuple(dims), partials[k] if keep_partial[k] else frozenset()))
   return Decision(required, [Sharding(tuple(out_dims), out_partial)] * len(ctx.out_infos))
+
+
+def _extends(axis, coarser):
+  """Whether compound `axis` is `coarser` with more minor parts."""
+  mine, theirs = axis_parts(axis), axis_parts(coarser)
+  return len(mine) > len(theirs) and mine[:len(theirs)] == theirs
 
 
 @register(*UNARY)

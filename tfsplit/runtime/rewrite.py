@@ -122,6 +122,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                f"{result.count('local_sum')} micro-batch sums, "
                f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} "
                "fallback(s) to replication")
+  if result.experts:
+    lines.append(expert_summary(result))
   moved = _bytes_by_dtype(result.collectives)
   if moved:
     lines.append("  collective tensors: " + "; ".join(
@@ -159,6 +161,27 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   lines += [f"  fallback: {msg}" for msg in result.fallbacks]
   lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
   return lines
+
+
+def expert_summary(result):
+  """One line: the expert weights split over 'ep' and the expert bytes
+  (weights and their optimizer slots) each device holds, against one device
+  holding them all."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
+  ep = result.mesh.axes.get(constants.EXPERT_AXIS, 1)
+  names = {name for name, e in result.manifest.items()
+           if e["sharding"] and e["sharding"][0] == constants.EXPERT_AXIS}
+  held = manifest_lib.bytes_per_device(result.manifest, names)
+  whole = sum(int(np.prod(result.manifest[n]["shape"], dtype=np.int64)) *
+              np.dtype(result.manifest[n]["dtype"]).itemsize for n in names)
+  counts = sorted({e.experts for e in result.experts})
+  most = max(held.values()) if held else 0
+  return (f"  experts: {len(result.experts)} expert weights ("
+          f"{'/'.join(map(str, counts))} experts each) split over {constants.EXPERT_AXIS}={ep}"
+          f", {result.count('all_to_all', constants.EXPERT_AXIS)} token all-to-alls; expert weights and slots "
+          f"{most / 2**20:.3g} MiB per device of {whole / 2**20:.3g} MiB "
+          f"({most / max(whole, 1):.2f}x)")
 
 
 def _ops_per_device(counts):
