@@ -13,11 +13,11 @@ TIMEOUT = 60.0
 _CACHE = {}
 
 
-def example(name, size="tiny", batch_size=None):
-  """One built example per (name, size, batch) for the whole test session."""
-  key = (name, size, batch_size)
+def example(name, size="tiny", batch_size=None, **config):
+  """One built example per (name, size, batch, config) for the whole test session."""
+  key = (name, size, batch_size, tuple(sorted(config.items())))
   if key not in _CACHE:
-    _CACHE[key] = models.build(name, size=size, seed=0, batch_size=batch_size)
+    _CACHE[key] = models.build(name, size=size, seed=0, batch_size=batch_size, **config)
   return _CACHE[key]
 
 

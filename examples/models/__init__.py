@@ -37,17 +37,18 @@ def build(name, size="tiny", seed=0, batch_size=None, precision=None, **config):
 
   batch_size overrides the size's default (static) batch size; `config`
   overrides other fields of the size's config (hidden=512, blocks=2, ...;
-  not for the corpus models). precision (corpus models only):
+  of the corpus models only the MoE decoders' experts=8). precision (corpus models only):
   'mixed_bfloat16' or 'mixed_float16' (corpus.PRECISIONS).
   """
   from . import example  # pylint: disable=import-outside-toplevel
   family, flavor = example.split_name(name)
   start = time.time()
   if family in example.CORPUS_FAMILIES:
+    experts = config.pop("experts", None)
     if config:
-      raise TypeError(f"{name}: the corpus models take no config overrides")
+      raise TypeError(f"{name}: the corpus models take no config overrides but experts=")
     from . import corpus  # pylint: disable=import-outside-toplevel
-    ex = corpus.build(name, size, seed, batch_size, precision)
+    ex = corpus.build(name, size, seed, batch_size, precision, experts)
   elif precision is not None:
     raise TypeError(f"{name}: precision is for the corpus models")
   elif flavor == "raw":

@@ -741,12 +741,13 @@ def _policy(K, precision):
   return scoped()
 
 
-def build(name, size="tiny", seed=0, batch_size=None, precision=None):
+def build(name, size="tiny", seed=0, batch_size=None, precision=None, experts=None):
   """An ExampleModel for corpus model `name` ('<family>_<keras3|tfkeras>').
 
   precision: None (float32), 'mixed_bfloat16' (bf16 compute, float32
   weights and Adam) or 'mixed_float16' (float16 compute, float32 weights,
-  the step under Keras's LossScaleOptimizer with a dynamic scale)."""
+  the step under Keras's LossScaleOptimizer with a dynamic scale).
+  experts: the mixture-of-experts decoders' expert count, if not the size's."""
   family, _, flavor = name.partition("_")
   if name not in NAMES:
     raise TfsplitError(f"unknown corpus model '{name}'; choose one of "
@@ -756,6 +757,10 @@ def build(name, size="tiny", seed=0, batch_size=None, precision=None):
   else:
     import tf_keras as K  # pylint: disable=import-outside-toplevel
   cfg = config_for(family, size, batch_size)
+  if experts is not None:
+    if not cfg.experts:
+      raise TypeError(f"{name}: experts= is for the mixture-of-experts decoders")
+    cfg = dataclasses.replace(cfg, experts=int(experts))
   fwd_sig, train_sig = signatures(cfg)
   with _policy(K, precision):
     model = _define(K)[family](cfg)
