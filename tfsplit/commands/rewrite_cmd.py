@@ -18,7 +18,7 @@ REQUIRED = ("output",)
 
 def define_flags(fv):
   common.define_output(fv, "Where to write the rewritten graph (.pb/.pbtxt).")
-  flags.DEFINE_string("mesh", "tp=2", "Mesh axes, e.g. tp=4 or dp=2,tp=2.", flag_values=fv)
+  flags.DEFINE_string("mesh", "tp=2", "Mesh axes, e.g. tp=4, dp=2,tp=2 or dp=2,ep=2 (axes: dp, tp, pp, ep).", flag_values=fv)
   flags.DEFINE_integer("microbatches", 1, "Micro-batches per step (in-graph gradient "
                        "accumulation); the batch must divide by dp x microbatches.",
                        flag_values=fv)
