@@ -63,9 +63,12 @@ def plan_fingerprint(original_graph_def, config):
   """A 31-bit number that differs between tasks splitting other graphs, or
   the same graph otherwise (another mesh, schedule, option)."""
   import dataclasses  # pylint: disable=import-outside-toplevel
-  asked = dataclasses.replace(config, task=None)
-  text = repr((sorted(asked.mesh.axes.items()), list(asked.mesh.devices),
-               dataclasses.astuple(dataclasses.replace(asked, mesh=None))))
+  # Every field but the task (which differs between tasks by design); the
+  # mesh by its axes and devices (its repr may hold object ids).
+  options = tuple(getattr(config, f.name) for f in dataclasses.fields(config)
+                  if f.name not in ("task", "mesh"))
+  text = repr((sorted(config.mesh.axes.items()), list(config.mesh.devices),
+               options))
   return zlib.crc32(text.encode(), zlib.crc32(
       original_graph_def.SerializeToString(deterministic=True))) & 0x7FFFFFFF
 
