@@ -12,6 +12,8 @@ tokens gathered in once and the experts' outputs returned by one
 all-to-all, forward and backward. The experts' weights never move.
 """
 import collections
+import json
+import os
 import re
 
 import numpy as np
@@ -38,6 +40,8 @@ CASES = [pytest.param(name, mesh, m, id=f"{name}-{mesh}-m{m}",
 # Token collectives over ep per MoE layer (forward and backward), no tp.
 _PER_LAYER = {"switch": {"all_to_all": 4, "all_gather": 0},
               "moe": {"all_to_all": 2, "all_gather": 1}}
+# Of those, the forward's (run again when the blocks are recomputed).
+_FORWARD = {"switch": {"all_to_all": 2}, "moe": {"all_to_all": 1, "all_gather": 1}}
 
 # A block's MoE layer scope (Keras 3 suffixes its scopes with _1).
 _MOE_LAYER = re.compile(r"block_\d+(_\d+)?/moe(_\d+)?/")
@@ -48,10 +52,12 @@ def _graph(name, experts=None):
   return ex, load_graph(ex.concrete("train"), variable_names=names(ex))
 
 
-def _check_experts(result, ex, mesh):
+def _check_experts(result, ex, mesh, zero=0, recomputed=False):
   """Every stacked expert weight and its slots split over ep (1/ep of their
-  bytes on each device); token collectives over ep only inside the MoE
-  layers, as many as GShard's; no variable moved over ep."""
+  bytes on each device; the slots also over dp under ZeRO); token
+  collectives over ep only inside the MoE layers, as many as GShard's (the
+  forward's twice when the blocks are recomputed); no variable moved over
+  ep."""
   cfg = ex.config
   mesh_axes = make_mesh(mesh).axes
   ep = mesh_axes["ep"]
@@ -67,7 +73,11 @@ def _check_experts(result, ex, mesh):
   # on a device (fewer with tp inside the experts, or pipeline stages).
   held = bytes_per_device(result.manifest, set(split))
   whole = sum(4 * int(np.prod(e["shape"])) for e in split.values())
-  assert sum(held.values()) == whole * mesh_axes.get("dp", 1), (held, whole)
+  weights = {e.variable for e in result.experts}
+  dp = mesh_axes.get("dp", 1)
+  copies = sum(4 * int(np.prod(e["shape"])) * (dp if n in weights or not zero else 1)
+               for n, e in split.items())
+  assert sum(held.values()) == copies, (held, whole)
   assert max(held.values()) * ep * mesh_axes.get("tp", 1) <= whole, (held, whole)
   ep_moves = [c for c in result.collectives
               if c.axis == "ep" and c.kind in ("all_to_all", "all_gather")]
@@ -79,7 +89,9 @@ def _check_experts(result, ex, mesh):
   assert all(c.kind == "all_gather" and "embedding" in c.tensor for c in outside), outside
   if "tp" not in mesh:  # with tp, a partial expert output may travel once per reader
     per_kind = collections.Counter(c.kind for c in inside)
-    want = _PER_LAYER[cfg.family]
+    want = collections.Counter(_PER_LAYER[cfg.family])
+    if recomputed:
+      want.update(_FORWARD[cfg.family])
     assert per_kind == collections.Counter(
         {k: n * cfg.blocks for k, n in want.items() if n}), per_kind
 
@@ -121,3 +133,45 @@ def test_ep_without_expert_weights():
   graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
   with pytest.raises(PlanError, match="has an 'ep' axis but the graph has no expert weights"):
     split_graph(graph_def, make_mesh("ep=2"))
+
+
+@pytest.mark.parametrize("name,options", [
+    pytest.param("switch_keras3", {"zero": 1}, id="switch_keras3-zero1"),
+    pytest.param("moe_tfkeras", {"recompute": "blocks"}, id="moe_tfkeras-recompute")])
+def test_ep_with_zero_and_recompute(name, options):
+  """dp=2,ep=2 over 2 micro-batches with optimizer-state sharding (each
+  gradient reduce-scattered over dp, then its shard all-reduced over ep and
+  bucketed at that shape) and with recomputed blocks (the scalar gradient of
+  the routers' balance loss, one for the whole batch, is no drain the copies
+  wait for)."""
+  ex = example(name, batch_size=BATCH)
+  step = check_training(ex, seed=5, mesh="dp=2,ep=2", microbatches=2, **options)
+  _check_experts(step.result, ex, "dp=2,ep=2", zero=options.get("zero", 0),
+                 recomputed="recompute" in options)
+
+
+def test_inspect_shows_the_expert_layers(tmp_path, capsys):
+  """`tfsplit inspect` lists each MoE layer with its expert count and the
+  stacked weights an 'ep' axis splits; a dense model has none."""
+  from tfsplit.cli import run
+  from tfsplit.graph import save_graph
+  ex, graph_def = _graph("switch_tfkeras")
+  path = str(tmp_path / "switch.pb")
+  save_graph(graph_def, path)
+  assert run(["tfsplit", "inspect", path, "--format", "json"]) == 0
+  report = json.loads(capsys.readouterr().out)
+  layers = report["experts"]
+  assert len(layers) == ex.config.blocks
+  assert all(l["experts"] == ex.config.experts and len(l["weights"]) == 3 and
+             _MOE_LAYER.search(l["scope"] + "/") for l in layers), layers
+  by_name = {v["name"]: v for v in report["variables"]}
+  assert all(l["bytes"] == sum(by_name[w]["bytes"] for w in l["weights"]) for l in layers)
+  assert run(["tfsplit", "inspect", path]) == 0
+  table = capsys.readouterr().out.splitlines()
+  assert f"expert layers: {ex.config.blocks} ({ex.config.experts} experts each; an 'ep' " \
+         "mesh axis splits their weights by whole experts)" in table
+  dense = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                       "gpt_raw_train_tiny.pb")
+  assert run(["tfsplit", "inspect", dense]) == 0
+  assert "expert layers: none (no stacked expert weights for an 'ep' axis)" in \
+      capsys.readouterr().out.splitlines()

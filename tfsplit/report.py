@@ -40,11 +40,15 @@ def format_table(header, rows, align=None, indent="", rule=True):
 
 
 # --- tfsplit inspect ---------------------------------------------------------------
-def inspect_graph(source, signature=None, layer_depth=None, variables_from=None):
+def inspect_graph(source, signature=None, layer_depth=None, variables_from=None,
+                  sections=()):
   """The inspect report of a graph as a dict (what `--format json` prints).
 
   variables_from: checkpoint or SavedModel with the variables of a graph file
-  written without their shapes (see graph/recover.py).
+  written without their shapes (see graph/recover.py). sections: (key,
+  fn(graph, shapes, variables, layer report)) pairs whose results join the
+  report under their key, over the same analysis (the command layer's
+  additions, such as the expert layers).
   """
   from absl import logging  # pylint: disable=import-outside-toplevel
   from tfsplit.graph import Graph, find_variables, infer_shapes, load_graph  # pylint: disable=import-outside-toplevel
@@ -86,8 +90,11 @@ def inspect_graph(source, signature=None, layer_depth=None, variables_from=None)
       "layer_depth": report.depth,
       "seconds": round(time.perf_counter() - t0, 3),
   }
-  return {"source": str(source), "ops": dict(ops.most_common()),
-          "variables": var_rows, "layers": layers, "totals": totals}
+  out = {"source": str(source), "ops": dict(ops.most_common()),
+         "variables": var_rows, "layers": layers, "totals": totals}
+  for key, section in sections:
+    out[key] = section(graph, shapes, variables, report)
+  return out
 
 
 def unknown_shapes_note(report):

@@ -53,8 +53,11 @@ def run(fv, args):
     from tfsplit.runtime.rewrite import make_mesh  # pylint: disable=import-outside-toplevel
     mesh = make_mesh(fv.mesh, fv.stages)  # a bad mesh fails before any work
   report = report_lib.inspect_graph(args[0], fv.signature, fv["layer-depth"].value,
-                                    fv.variables)
+                                    fv.variables, sections=[("experts", expert_section)])
   lines = report_lib.inspect_table(report, fv["top-ops"].value)
+  # Before the variables table.
+  at = lines.index("variables")
+  lines[at:at] = expert_table(report["experts"]) + [""]
   if mesh is not None:
     report["fallbacks"] = mesh_fallbacks(args[0], mesh, fv)
     # Before the closing "inspected in" line.
@@ -64,6 +67,29 @@ def run(fv, args):
     sys.stderr.write(f"tfsplit inspect: note: {note}\n")
   common.emit_report(fv.format, report, lines, fv.output)
   return 0
+
+
+def expert_section(graph, shapes, variables, layers):
+  """The mixture-of-experts layers: stacked expert weights (what an 'ep'
+  axis would split), grouped per layer."""
+  from tfsplit.strategies import experts as experts_lib  # pylint: disable=import-outside-toplevel
+  found = experts_lib.find_expert_weights(graph, shapes, variables, layers.role)
+  return experts_lib.expert_layers(found, layers.layer_of, variables)
+
+
+def expert_table(layers):
+  """Text lines of the expert section: one line when there are none."""
+  if not layers:
+    return ["expert layers: none (no stacked expert weights for an 'ep' axis)"]
+  rows = [[l["layer"], l["scope"], str(l["experts"]), str(len(l["weights"])),
+           report_lib.human_bytes(l["bytes"]), ", ".join(w.rsplit("/", 1)[-1]
+                                                        for w in l["weights"])]
+          for l in layers]
+  counts = sorted({str(l["experts"]) for l in layers})
+  return [f"expert layers: {len(layers)} ({' or '.join(counts)} experts each; an 'ep' "
+          "mesh axis splits their weights by whole experts)",
+          report_lib.format_table(["layer", "scope", "experts", "weights", "bytes",
+                                   "weight names"], rows)]
 
 
 def mesh_fallbacks(source, mesh, fv):

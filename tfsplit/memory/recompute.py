@@ -279,7 +279,7 @@ def recompute(graph, shapes, report, mode, variables=()):
   position = {n: i for i, n in enumerate(order)}
   planned = [p for p in (_plan_segment(graph, shapes, report, name, layers, ops, copyable,
                                        position) for name, layers, ops in specs) if p]
-  _plan_drains(graph, report, planned, order, position)
+  _plan_drains(graph, shapes, report, planned, order, position)
   new_nodes, rewires, segments, copies = [], [], [], {}
   used = set(graph.node_names())
   for seg, plan, consumers in planned:
@@ -333,6 +333,15 @@ def recompute(graph, shapes, report, mode, variables=()):
   return Recomputed(out, known, copies, segments, mode)
 
 
+def _reads_only_scalars(graph, shapes, name):
+  """True when every tensor `name` reads is known to be a scalar: waiting
+  for it keeps no activation-sized gradient from living on."""
+  def scalar(src, port):
+    info = shapes.get(f"{src}:{port}")
+    return info is not None and info.shape is not None and len(info.shape) == 0
+  return all(scalar(src, port) for src, port in graph.data_inputs(name))
+
+
 def _plan_segment(graph, shapes, report, name, layers, ops, copyable, position):
   """(Segment, the originals to copy in topological order, [(consumer,
   input index, source, port)] to rewire), or None when the segment's
@@ -384,7 +393,7 @@ def _plan_segment(graph, shapes, report, name, layers, ops, copyable, position):
   return seg, sorted(plan, key=position.get), consumers
 
 
-def _plan_drains(graph, report, planned, order, position):
+def _plan_drains(graph, shapes, report, planned, order, position):
   """Sets each planned segment's `drains`: the gradient ops that must end
   before its copies start, besides its gates.
 
@@ -400,7 +409,11 @@ def _plan_drains(graph, report, planned, order, position):
   drains into k-1. The gradient ops of a drain that nothing else of it reads
   later (and that no gate waits for already) are enough to wait for. An op
   whose needs skip a segment (segment 2's backward but not segment 3's)
-  drains into none: waiting for it there could close a cycle.
+  drains into none: waiting for it there could close a cycle. An op that
+  reads only scalars is not waited for: it keeps no activation-sized
+  gradient alive, and one of an auxiliary loss over the whole batch (an MoE
+  router's balance loss) would make each micro-batch's copies wait for
+  every micro-batch's forward.
   """
   if not planned:
     return
@@ -447,7 +460,9 @@ def _plan_drains(graph, report, planned, order, position):
       stack.extend(_sources(graph, n))
     seg.drains = sorted((n for n, r in drain.items() if r == rank and n not in covered and
                          n not in implied and n not in seg.gates and
-                         constants.is_gradient_name(n)), key=position.get)
+                         constants.is_gradient_name(n) and
+                         not _reads_only_scalars(graph, shapes, n)),
+                        key=position.get)
 
 
 def _sources(graph, name):

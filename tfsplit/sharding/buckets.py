@@ -208,8 +208,10 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
       continue
     if kind == "all_reduce":
       # A source with several ports all-reduced over the axis stays alone.
-      shape = _local_shape(analysis, propagation, mesh, source, port, axis) \
-          if len(ports[(source, axis)]) == 1 else None
+      shape = None
+      if len(ports[(source, axis)]) == 1:
+        shape = tuple(record.unit_shape) if record.unit_shape is not None else \
+            _local_shape(analysis, propagation, mesh, source, port, axis)
       if shape is None:
         continue
     else:

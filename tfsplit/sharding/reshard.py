@@ -152,7 +152,7 @@ class Resharder(object):
           dims[dim] = _appended(dims[dim], part)
           spec = Sharding(tuple(dims), spec.partial)
         else:
-          current = self._all_reduce(current, ids, info, part, what)
+          current = self._all_reduce(current, ids, info, part, what, spec)
       spec = Sharding(spec.dims, spec.partial - {axis})
     for dim in range(spec.rank):
       axis = spec.dims[dim]
@@ -285,9 +285,15 @@ class Resharder(object):
         types_pb2.DT_INT32 if info.dtype == types_pb2.DT_BOOL else info.dtype))
     return out
 
-  def _all_reduce(self, current, ids, info, axis, what):
+  def _all_reduce(self, current, ids, info, axis, what, spec=None):
+    """spec: the sharding the partial sum has here (recorded as its local
+    shape: an earlier reduce-scatter over another part of a compound axis,
+    dp of dp*ep under ZeRO, has split it)."""
+    shape = None
+    if spec is not None and info.shape is not None and None not in info.shape:
+      shape = spec.local_shape(info.shape, self.mesh)
     return self._collective("CollectiveReduceV2", "all_reduce", current, ids, info, axis,
-                            what)
+                            what, unit_shape=shape)
 
   def _to_front(self, dim, rank, dtype):
     """(pre, post) moving dimension `dim` to the front and back."""

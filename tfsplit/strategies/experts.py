@@ -54,6 +54,36 @@ def find_expert_weights(graph, shapes, variables, roles=None) -> List[ExpertWeig
           for h, names in found.items()]
 
 
+def expert_layers(experts, layer_of, variables):
+  """[{layer, scope, experts, weights, bytes}]: the expert weights grouped by
+  the layer whose contractions read them (`inspect`'s expert table). scope is
+  the name scope the layer's expert contractions share (block_0/moe)."""
+  size = {v.node: v.num_bytes for v in variables}
+  groups: Dict[str, dict] = {}
+  for expert in experts:
+    layer = layer_of.get(expert.contractions[0], "")
+    group = groups.setdefault(layer, {"layer": layer, "scopes": [], "experts": set(),
+                                      "weights": [], "bytes": 0})
+    group["scopes"].extend(c.rsplit("/", 1)[0] for c in expert.contractions)
+    group["experts"].add(expert.experts)
+    group["weights"].append(expert.variable)
+    group["bytes"] += size.get(expert.node) or 0
+  out = []
+  for group in groups.values():
+    scopes = group.pop("scopes")
+    common = scopes[0].split("/")
+    for scope in scopes[1:]:
+      parts = scope.split("/")
+      n = 0
+      while n < min(len(common), len(parts)) and common[n] == parts[n]:
+        n += 1
+      common = common[:n]
+    counts = sorted(group["experts"])
+    group["experts"] = counts[0] if len(counts) == 1 else counts
+    out.append(dict(group, scope="/".join(common)))
+  return out
+
+
 def expert_plan(experts, mesh, tensor_plan=None, axis=constants.EXPERT_AXIS):
   """{variable handle: dims}: dimension 0 of each expert weight over `axis`,
   on top of the tensor plan's split of it (moved off dimension 0 if the
