@@ -13,6 +13,7 @@ all-to-all, forward and backward. The experts' weights never move.
 """
 import collections
 import json
+import math
 import os
 import re
 
@@ -24,6 +25,9 @@ from tfsplit.graph import load_graph
 from tfsplit.layout.mesh import Mesh
 from tfsplit.passes import split_graph
 from tfsplit.passes.manifest import bytes_per_device
+from tfsplit.plan import space
+from tfsplit.plan.profile import LayerRow, ModelProfile
+from tfsplit.plan.search import Planner
 from tfsplit.runtime.split_function import make_mesh
 
 from _util import check_training, example, names
@@ -175,3 +179,141 @@ def test_inspect_shows_the_expert_layers(tmp_path, capsys):
   assert run(["tfsplit", "inspect", dense]) == 0
   assert "expert layers: none (no stacked expert weights for an 'ep' axis)" in \
       capsys.readouterr().out.splitlines()
+
+
+# --- the planner -------------------------------------------------------------------------
+def _moe_rows(n=5, experts=4, seed=7):
+  """Uneven layers, the middle ones MoE blocks whose expert weights are
+  most of their weights."""
+  import random
+  rng = random.Random(seed)
+  rows = []
+  for i in range(n):
+    moe = 0 < i < n - 1
+    params = rng.randint(4, 8) * 10**8
+    rows.append(LayerRow(
+        name=f"layer_{i}", forward=rng.uniform(1e-3, 4e-3), backward=rng.uniform(2e-3, 8e-3),
+        update=rng.uniform(1e-5, 1e-4), params=params, slots=2 * params,
+        activations=rng.randint(1, 6) * 10**9, input_bytes=10**7, splittable=moe,
+        experts=experts if moe else 0, expert_params=int(0.8 * params) if moe else 0,
+        expert_exchange=4 * 10**7 if moe else 0))
+  return ModelProfile(rows, [10**7] * (n - 1), batch=32)
+
+
+def test_profile_rows_hold_the_experts_the_rewrite_splits():
+  """The planner's rows of the corpus Switch decoder: each block's expert
+  count and expert bytes are those of the weights an ep split shards, and
+  its token exchange is what the ep=2 rewrite's all-to-alls move (forward
+  and backward)."""
+  from tfsplit import plan as plan_lib
+  ex, graph_def = _graph("switch_keras3")
+  profile = plan_lib.profile_graph(graph_def, 2, "h100-80gb")
+  moe = [row for row in profile.layers if row.experts]
+  assert len(moe) == ex.config.blocks and profile.experts == ex.config.experts
+  result = split_graph(graph_def, make_mesh("ep=2"))
+  shards = {n: e for n, e in result.manifest.items()}
+  for row in moe:
+    mine = [e for e in result.experts if e.contractions[0].startswith(row.name + "/")]
+    assert len(mine) == 3
+    assert row.expert_params == sum(4 * int(np.prod(shards[e.variable]["shape"]))
+                                    for e in mine)
+  moved = sum(c.num_elements * 4 for c in result.collectives
+              if c.axis == "ep" and c.kind == "all_to_all")
+  assert moved == 2 * sum(row.expert_exchange for row in moe), moved
+  dense = plan_lib.profile_graph(load_graph(os.path.join(
+      os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+      "gpt_raw_train_tiny.pb")), 2, "h100-80gb")
+  assert dense.experts == 0 and {ep for *_, ep in space.meshes(4, dense)} == {1}
+
+
+def test_ep_sizes_divide_the_experts_and_the_batch():
+  profile = _moe_rows(experts=4)
+  meshes = space.meshes(8, profile)
+  assert {ep for *_, ep in meshes} == {1, 2, 4}
+  assert all(profile.batch % (dp * ep) == 0 for dp, _, _, ep in meshes)
+  assert all(dp * tp * pp * ep == 8 for dp, tp, pp, ep in meshes)
+
+
+def test_ep_prices_expert_memory_sync_and_token_exchange():
+  """dp=2,ep=2 against dp=4 (the same tokens per device): the expert
+  weights, gradients and slots halve; each MoE layer adds its tokens'
+  all-to-alls (2 forward, 2 backward); the non-expert gradients are summed
+  over ep after dp."""
+  from tfsplit.cost import collectives
+  profile = _moe_rows()
+  cluster = plan_lib_cluster(4)
+  costing = space.Costing(profile, cluster)
+  whole = [(0, costing.n)]
+  dp4 = costing.evaluate(space.Candidate(4, 1, 1), whole)
+  ep = space.Candidate(2, 1, 1, ep=2)
+  dp2ep2 = costing.evaluate(ep, whole)
+  expert = sum(r.expert_params for r in profile.layers)
+  slots = sum(r.slots * r.expert_params / r.params for r in profile.layers)
+  assert dp4.memory - dp2ep2.memory == pytest.approx((2 * expert + slots) / 2, rel=1e-9)
+  link = costing._link("ep", ep)  # pylint: disable=protected-access
+  exchange = sum(4 * collectives.pairwise_all_to_all(2, r.expert_exchange / 2 / 4, link)
+                 for r in profile.layers if r.experts)
+  assert dp2ep2.pipeline_time - dp4.pipeline_time == pytest.approx(exchange, rel=1e-9)
+  dp_link = costing.dp_link(ep)
+  grads = sum(r.params - r.expert_params / 2 for r in profile.layers)
+  dense = sum(r.params - r.expert_params for r in profile.layers)
+  buckets = lambda b: 2 * (2 - 1) * math.ceil(b / costing.bucket_bytes - 1)  # pylint: disable=unnecessary-lambda-assignment
+  want = (collectives.ring_all_reduce(2, grads, dp_link) + dp_link.latency * buckets(grads) +
+          collectives.ring_all_reduce(2, dense, link) + link.latency * buckets(dense))
+  assert dp2ep2.sync_time == pytest.approx(want, rel=1e-9)
+
+
+def plan_lib_cluster(devices):
+  from tfsplit import plan as plan_lib
+  return plan_lib.cluster_for("h100-80gb", devices)
+
+
+def test_search_with_ep_within_5_percent_of_exhaustive():
+  profile = _moe_rows()
+  cluster = plan_lib_cluster(4)
+  unbounded = Planner(profile, cluster, 4, None).search()
+  for cap in (10**15, (unbounded.smallest.memory + unbounded.best.memory) // 2,
+              int(unbounded.smallest.memory * 1.05)):
+    planner = Planner(profile, cluster, 4, cap)
+    found, best = planner.search().best, planner.exhaustive()
+    assert found is not None and best is not None
+    assert found.memory <= cap and found.step_time <= 1.05 * best.step_time, (
+        found.label(), best.label())
+
+
+def test_planner_splits_the_experts_of_a_large_moe_and_says_why():
+  """A 32-block MoE decoder of 8 experts per block (74 GB of 16-bit
+  weights) on 64 H100s: the winner shards the experts over ep; the reasons
+  name what that saves and the fastest plan without ep. The dense decoder
+  of the same sizes gets no ep axis."""
+  from tfsplit.plan import report
+  from tfsplit.plan.profile import synthetic_gpt
+  sizes = dict(blocks=32, hidden=4096, seq_len=4096, batch=256, vocab=32000, heads=32)
+  cluster = plan_lib_cluster(64)
+  result = Planner(synthetic_gpt(experts=8, **sizes), cluster, 64, 80e9, reserve=0.1).search()
+  best = result.best
+  assert best.candidate.ep > 1 and 8 % best.candidate.ep == 0
+  assert f"ep={best.candidate.ep}" in best.candidate.mesh
+  why = report.reasons(result, result.costing)
+  line = [r for r in why if r.startswith(f"splits the experts over ep={best.candidate.ep}")]
+  assert line and "the fastest plan without ep, " in line[0], why
+  without = result.best_by_ep[False]
+  assert without.candidate.ep == 1 and without.step_time >= best.step_time
+  dense = Planner(synthetic_gpt(**sizes), cluster, 64, 80e9, reserve=0.1).search()
+  assert all(e.candidate.ep == 1 for e in dense.ranked) and not dense.best_by_ep
+
+
+def test_an_ep_plan_file_applies_and_trains_exactly(tmp_path):
+  """A plan with an ep axis survives its JSON form and trains exactly."""
+  from tfsplit import plan as plan_lib
+  from tfsplit.plan.plan import Plan
+  ex, graph_def = _graph("switch_keras3")
+  profile = plan_lib.profile_graph(graph_def, 4, "h100-80gb")
+  costing = space.Costing(profile, plan_lib_cluster(4))
+  est = costing.evaluate(space.Candidate(2, 1, 1, 2, ep=2), [(0, costing.n)])
+  path = str(tmp_path / "plan.json")
+  Plan.from_estimate(est, profile).save(path)
+  plan = plan_lib.read(path)
+  assert plan.mesh == "dp=2,ep=2" and plan.microbatches == 2
+  step = check_training(ex, seed=5, steps=3, plan=path)
+  _check_experts(step.result, ex, "dp=2,ep=2")

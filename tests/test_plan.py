@@ -319,7 +319,7 @@ def test_split_plan_auto_defaults_to_this_process_devices():
   profile = _profile("mlp_raw", "cpu-host", 4)
   for cluster, tps in ((plan_lib.local_cluster(4), {1, 2, 4}),
                        (plan_lib.cluster_for("cpu-host", 4), {1})):
-    assert {tp for _, tp, _ in search_lib.Planner(profile, cluster, 4).meshes()} == tps
+    assert {tp for _, tp, _, _ in search_lib.Planner(profile, cluster, 4).meshes()} == tps
 
 
 def test_plan_rewrite_verify_on_files(tmp_path, capsys):
@@ -519,7 +519,7 @@ def _write_plan(tmp_path, **changes):
     ({"mesh": "pp=2,dp=2", "layer_ranges": [[0, 2], [3, 5]]}, ["must be contiguous"]),
     ({"mesh": "pp=2,dp=2", "layer_ranges": None}, ["no 'layer_ranges'"]),
     ({"microbatches": "4"}, ["field 'microbatches' must be an integer"]),
-    ({"mesh": "ep=4"}, ["has axis 'ep'; plans use pp, dp and tp"]),
+    ({"mesh": "xp=4"}, ["has axis 'xp'; plans use pp, dp, ep and tp"]),
     ({"recompute": ["gpt/block_9"]}, ["lists 'gpt/block_9', not one of the plan's layers"]),
     ({"recompute": "sometimes"}, ["field 'recompute' is 'sometimes'"]),
     ({"version": 7}, ["version 7 is not supported"]),
@@ -710,7 +710,7 @@ def test_tensor_parallel_sizes_divide_the_heads():
   for name, most in (("gpt_keras3", 4), ("gpt_tfkeras", 4), ("gpt_raw", 32)):
     profile = _profile(name, "h100-80gb", 8)
     assert profile.max_tp == most
-    tps = {tp for _, tp, _ in space.meshes(8, profile)}
+    tps = {tp for _, tp, _, _ in space.meshes(8, profile)}
     assert max(tps) == min(8, most)
 
 

@@ -288,7 +288,7 @@ def mesh_candidates(text):
     axes = dict(a.split("=") for a in mesh.split(","))
     m = int(rest.strip().partition("=")[2] or 1) if rest.strip() else 1
     out.append(space.Candidate(int(axes.get("dp", 1)), int(axes.get("tp", 1)),
-                               int(axes.get("pp", 1)), m))
+                               int(axes.get("pp", 1)), m, ep=int(axes.get("ep", 1))))
   return out
 
 

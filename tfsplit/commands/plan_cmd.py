@@ -1,7 +1,8 @@
 """Choose how to split a training step over N devices: the fastest plan that
 fits the per-device memory.
 
-Searches meshes dp x tp x pp, micro-batch counts, pipeline schedules
+Searches meshes dp x tp x pp (x ep for a model with mixture-of-experts
+layers), micro-batch counts, pipeline schedules
 (gpipe, 1f1b, interleaved), stage cuts over the detected layers,
 recomputation of the repeated blocks, optimizer-state sharding, which
 blocks to replicate rather than split over tp, and optimizer offload to the

@@ -224,10 +224,10 @@ def from_json(obj, source="plan"):
     mesh = Mesh.parse(text)
   except TfsplitError as e:
     raise PlanError(f"plan '{source}': field 'mesh': {e}") from None
-  unknown = [a for a in mesh.axes if a not in ("pp", "dp", "tp")]
+  unknown = [a for a in mesh.axes if a not in ("pp", "dp", "ep", "tp")]
   if unknown:
     raise PlanError(f"plan '{source}': mesh {mesh} has axis '{unknown[0]}'; plans use pp, "
-                    "dp and tp")
+                    "dp, ep and tp")
   if mesh.size != devices:
     raise PlanError(f"plan '{source}': mesh {mesh} has {mesh.size} devices but the plan says "
                     f"devices={devices}")

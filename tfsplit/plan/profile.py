@@ -74,6 +74,14 @@ class LayerRow:
   # example MLPs' tp=2 steps were predicted with 2 of the 3 all-reduces
   # the rewrite emits, at 0.78-0.81 of their time). None: splittable.
   tp_split: Optional[bool] = None
+  # A mixture-of-experts layer: its expert count, the bytes of its stacked
+  # expert weights (in params; an 'ep' axis splits them, their gradients
+  # and their optimizer state by whole experts), and the bytes of tokens one
+  # forward at the global batch sends to the experts and back (an
+  # all-to-all each way over ep, the same again in the backward).
+  experts: int = 0
+  expert_params: int = 0
+  expert_exchange: int = 0
 
   def __post_init__(self):
     if self.tp_split is None:
@@ -164,6 +172,21 @@ class ModelProfile:
   @property
   def has_blocks(self):
     return any(l.splittable for l in self.layers)
+
+  @property
+  def experts(self):
+    """The expert count every MoE layer's divides by (the 'ep' sizes that
+    fit all of them), 0 without experts."""
+    g = 0
+    for layer in self.layers:
+      if layer.experts:
+        g = math.gcd(g, layer.experts)
+    return g
+
+  @property
+  def experts_bytes(self):
+    """Bytes of every stacked expert weight."""
+    return sum(l.expert_params for l in self.layers)
 
   @property
   def max_tp(self):
@@ -302,6 +325,7 @@ def from_analysis(analysis, cost_model, source=None):
     if layer.name in owner:
       tp_collectives[owner[layer.name]] += sum(all_reduces.get(n, 0) for n in layer.forward)
       split_by_preset[owner[layer.name]] |= any(n in all_reduces for n in layer.forward)
+  experts = _expert_rows(analysis, model)
   rows = []
   for k, layer in enumerate(model):
     flops = layer.forward_flops + layer.backward_flops
@@ -319,7 +343,8 @@ def from_analysis(analysis, cost_model, source=None):
         slots=layer.slot_bytes, activations=acts[k],
         input_bytes=cuts[k - 1] if k > 0 else 0, splittable=layer.block,
         tp_split=layer.block or split_by_preset[k],
-        max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables))))
+        max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables)),
+        **experts.get(k, {})))
   shared = [l for l in report.layers if not l.variables]
   _, other, other_ops = parts([n for l in shared for n in l.update])
   table = cost_model.table
@@ -353,6 +378,26 @@ def from_analysis(analysis, cost_model, source=None):
                       step_outputs=step_outputs, bucket_copy=bucket_copy)
 
 
+def _expert_rows(analysis, model):
+  """{model layer index: LayerRow expert fields} of the layers holding
+  stacked expert weights (strategies/experts.py finds them as the rewrite
+  does)."""
+  from tfsplit.strategies import experts as experts_lib  # pylint: disable=import-outside-toplevel
+  found = experts_lib.find_expert_weights(analysis.graph, analysis.shapes,
+                                          analysis.variables, analysis.roles)
+  size = {v.node: v.num_bytes or 0 for v in analysis.variables}
+  by_layer = {}
+  for k, layer in enumerate(model):
+    mine = [e for e in found if e.node in layer.variables]
+    if mine:
+      by_layer[k] = {
+          "experts": math.gcd(*[e.experts for e in mine]),
+          "expert_params": sum(size[e.node] for e in mine),
+          "expert_exchange": experts_lib.token_exchange_bytes(analysis.graph,
+                                                               analysis.shapes, mine)}
+  return by_layer
+
+
 def _bucket_copy(cost_model, nbytes=1 << 20):
   """(fixed seconds, seconds per byte) of packing a gradient bucket of
   float32 gradients (ConcatV2) and unpacking it (SplitV), on device 0."""
@@ -373,7 +418,8 @@ def from_graph(graph_def, cost_model, source=None):
 
 def synthetic_gpt(blocks=96, hidden=12288, seq_len=2048, batch=1536, vocab=51200,
                   heads=96, peak_flops=989.4e12, memory_bandwidth=3.35e12,
-                  efficiency=0.5, dtype_bytes=2, optimizer_bytes=12):
+                  efficiency=0.5, dtype_bytes=2, optimizer_bytes=12, experts=0, top_k=2,
+                  capacity_factor=1.25):
   """The profile of a GPT training step from its sizes (GPT-3 175B at the
   defaults), on a device of `peak_flops` at `efficiency`.
 
@@ -383,29 +429,44 @@ def synthetic_gpt(blocks=96, hidden=12288, seq_len=2048, batch=1536, vocab=51200
   gradients, `optimizer_bytes` per parameter of fp32 master copy and Adam
   moments. The update reads and writes 16 + optimizer_bytes bytes per
   parameter at `memory_bandwidth`.
+
+  experts > 0: every block's MLP is a mixture of that many experts (8 h^2
+  parameters each) with top_k routing at capacity_factor (GShard / Switch
+  capacity dispatch): the MLP's 16 s b h^2 FLOPs run top_k * capacity_factor
+  times, and the dispatched tokens, top_k * capacity_factor * s b h, go to
+  the experts and back.
   """
   rate = peak_flops * efficiency
 
-  def row(name, params, fwd_flops, acts, inp, splittable):
+  def row(name, params, fwd_flops, acts, inp, splittable, **more):
     p = params * dtype_bytes
     return LayerRow(name=name, forward=fwd_flops / rate, backward=2 * fwd_flops / rate,
                     update=params * (2 * dtype_bytes + optimizer_bytes + 4) /
                     memory_bandwidth,
                     params=p, slots=params * optimizer_bytes, activations=acts,
                     input_bytes=inp, splittable=splittable,
-                    max_tp=_max_tp(math.gcd(heads, hidden)) if splittable else 1 << 30)
+                    max_tp=_max_tp(math.gcd(heads, hidden)) if splittable else 1 << 30,
+                    **more)
 
   sbh = seq_len * batch * hidden
   stream = sbh * dtype_bytes
   block_flops = 24 * sbh * hidden * (1 + seq_len / (6 * hidden))
   block_acts = sbh * 34 + 5 * heads * seq_len * seq_len * batch
+  block_params, moe = 12 * hidden * hidden, {}
+  if experts:
+    routed = top_k * capacity_factor
+    block_flops += 16 * sbh * hidden * (routed - 1)
+    block_params = 4 * hidden * hidden + 8 * hidden * hidden * experts
+    moe = {"experts": experts, "expert_params": 8 * hidden * hidden * experts * dtype_bytes,
+           "expert_exchange": int(2 * routed * stream)}
   rows = [row("embed", vocab * hidden + seq_len * hidden, 0, 0, 0, False)]
   rows[0] = dataclasses.replace(rows[0], forward=stream / memory_bandwidth,
                                 backward=2 * stream / memory_bandwidth)
-  rows += [row(f"block_{i}", 12 * hidden * hidden, block_flops, block_acts, stream, True)
+  rows += [row(f"block_{i}", block_params, block_flops, block_acts, stream, True, **moe)
            for i in range(blocks)]
   head_flops = 2 * seq_len * batch * hidden * vocab
   rows.append(row("head", hidden * vocab, head_flops,
                   seq_len * batch * (hidden + 2 * vocab) * dtype_bytes, stream, False))
   return ModelProfile(rows, [stream] * (len(rows) - 1), batch,
-                      source=f"synthetic GPT ({blocks} blocks, hidden {hidden})")
+                      source=f"synthetic GPT ({blocks} blocks, hidden {hidden}"
+                      + (f", {experts} experts" if experts else "") + ")")

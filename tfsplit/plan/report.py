@@ -68,6 +68,7 @@ def reasons(result, costing):
       out.append(f"ties the runner-up, {second.label()}, on time with fewer "
                  "micro-batches (each costs per-op overhead on a real machine), for "
                  f"{format_bytes(best.memory - second.memory)} more memory per device")
+  out += _expert_reasons(result, costing)
   if c.replicate:
     names = ", ".join(profile.layers[i].name for i in c.replicate)
     out.append(f"replicates {names} over tp instead of splitting: each block's "
@@ -81,6 +82,30 @@ def reasons(result, costing):
                f"{format_time(max(best.stage_time))} per micro-batch, bubble "
                f"{100 * best.bubble:.1f}%")
   return out
+
+
+def _expert_reasons(result, costing):
+  """Of a model with experts: what splitting them over ep does in the
+  winner, and the fastest plan of the other kind."""
+  if not result.best_by_ep:
+    return []
+  best = result.best
+  c = best.candidate
+  other = result.best_by_ep.get(c.ep == 1)
+  if c.ep > 1:
+    experts = float(costing.profile.experts_bytes)
+    what = (f"splits the experts over ep={c.ep}: each device holds "
+            f"{format_bytes(experts / c.ep / c.pp / (c.tp or 1))} of the "
+            f"{format_bytes(experts)} of expert weights, and each MoE layer's tokens go to "
+            "their experts by all-to-all")
+    kind = "without ep"
+  else:
+    what = "keeps each device's experts whole (no ep axis)"
+    kind = "with ep"
+  if other is None:
+    return [f"{what}; no plan {kind} priced fits"]
+  return [f"{what}; the fastest plan {kind}, {other.label()}, takes "
+          f"{format_time(other.step_time)} ({_pct(other.step_time, best.step_time)} slower)"]
 
 
 def lines(result, costing, what="the model", cluster="", top=5):

@@ -61,6 +61,9 @@ class SearchResult:
   device_memory: Optional[int]       # the memory cap per device
   costing: Optional[space.Costing] = None   # what priced them (for reports)
   reserve: float = 0.0               # fraction of the cap kept free
+  # Of a model with experts: the fastest fitting plan priced with and
+  # without an ep axis ({True: ..., False: ...}; why ep did or did not win).
+  best_by_ep: dict = dataclasses.field(default_factory=dict)
 
   @property
   def usable(self):
@@ -147,7 +150,7 @@ class Planner(object):
     if c.chunks == 1:
       return [(0, self.costing.n)]
     # The cut depends on the micro-batch size, not on how it is reached.
-    key = (c.dp * c.microbatches, c.tp, c.pp, c.recompute, c.virtual_stages,
+    key = (c.replicas * c.microbatches, c.tp, c.pp, c.ep, c.recompute, c.virtual_stages,
            self.costing.pipeline_link(c), c.replicate)
     if key not in self._cuts:
       f, b = self.costing.layer_times(c)
@@ -183,7 +186,7 @@ class Planner(object):
   def lower_bound(self, c):
     """Seconds c takes at least: m micro-batches of its average stage (each
     block split or replicated, whichever is faster)."""
-    key = (c.dp * c.microbatches, c.tp, c.recompute)
+    key = (c.replicas * c.microbatches, c.tp, c.ep, c.recompute)
     if key not in self._work:
       f, b = self.costing.layer_times(c)
       fb = f + b
@@ -223,8 +226,10 @@ class Planner(object):
     f, b = self.costing.layer_times(c)
     rf, rb = self.costing.layer_times(whole)
     costing = self.costing
-    more = costing.params * (1 - 1 / c.tp)   # weights (and gradients) no longer split
-    extra_update = costing.upd * (1 - 1 / c.tp) / (c.dp if c.zero else 1)
+    # Weights (and gradients) no longer split over tp.
+    more = costing.params * costing.kept_over_ep(c) * (1 - 1 / c.tp)
+    extra_update = costing.upd * costing.kept_over_ep(c) * (1 - 1 / c.tp) / (
+        c.dp if c.zero else 1)
     if c.offload:
       extra_update = (extra_update * costing.host_update_scale +
                       2 * more / space.HOST_LINK.bandwidth)
@@ -343,7 +348,7 @@ class Planner(object):
                       f"{self.profile.batch} does not divide over the data-parallel sizes "
                       f"and the {len(self.profile.layers)} layers cannot fill the pipeline; "
                       "use fewer devices or a larger batch")
-    fitting, smallest, fastest = [], None, None
+    fitting, smallest, fastest, by_ep = [], None, None, {}
     kept = []  # step times of the fastest fitting candidates so far (3 x top)
     fit = {}   # (candidate without recompute, recompute) -> whether it fits
     for done, mesh in enumerate(meshes):
@@ -374,6 +379,9 @@ class Planner(object):
           if fastest is None or _rank(est) < _rank(fastest):
             fastest = est
           if space.fits(est, self.device_memory):
+            split = est.candidate.ep > 1
+            if split not in by_ep or _rank(est) < _rank(by_ep[split]):
+              by_ep[split] = est
             fitting.append(est)
             bisect.insort(kept, est.step_time)
             del kept[3 * top:]
@@ -390,7 +398,8 @@ class Planner(object):
                         smallest=smallest, fastest=fastest, evaluated=self.evaluated,
                         seconds=time.perf_counter() - t0, devices=self.devices,
                         device_memory=self.cap, costing=self.costing,
-                        reserve=self.reserve)
+                        reserve=self.reserve,
+                        best_by_ep=by_ep if self.profile.experts else {})
 
   def exhaustive(self):
     """The fastest fitting Estimate over every candidate, every cut, every
@@ -473,7 +482,7 @@ class Planner(object):
 
 def _but_recompute(c):
   """c's fields but its recomputation."""
-  return (c.dp, c.tp, c.pp, c.microbatches, c.schedule, c.virtual_stages, c.zero,
+  return (c.dp, c.tp, c.pp, c.ep, c.microbatches, c.schedule, c.virtual_stages, c.zero,
           c.replicate, c.offload)
 
 

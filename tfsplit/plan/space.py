@@ -1,8 +1,9 @@
 """The planner's search space and its cost model at layer granularity.
 
-A Candidate is one way to run the step on N devices: a mesh dp x tp x pp
-(laid out pp-major, tp fastest: a tensor-parallel group is tp consecutive
-devices, inside one host when tp divides the host), m micro-batches, a
+A Candidate is one way to run the step on N devices: a mesh dp x ep x tp x
+pp (laid out pp-major, tp fastest: a tensor-parallel group is tp consecutive
+devices, inside one host when tp divides the host; ep only for a model
+with experts), m micro-batches, a
 pipeline schedule (gpipe, 1f1b, or interleaved over v model chunks per
 stage), recomputation of the repeated blocks, and optimizer-state sharding
 over dp. The stage cut (which layers each chunk runs) is chosen by the
@@ -59,6 +60,14 @@ block keeps only its input, plus one block's activations while it is
 recomputed. recompute='stages' recomputes the blocks of the stages that
 would not fit otherwise, and only theirs.
 
+Expert parallelism (ep > 1, a model with mixture-of-experts layers): the
+batch is split over dp x ep everywhere (a micro-batch is 1 / (dp ep m) of
+it), each device keeps 1/ep of every expert weight and of its gradient,
+optimizer state and update; each MoE layer adds per micro-batch two
+all-to-alls of its tokens over the ep group forward and two backward (the
+row's expert_exchange), and the gradients not of experts are all-reduced
+over ep after dp (two collectives, as the rewrite emits them).
+
 Two choices refine a candidate (search.py makes them):
 - replicate: repeated blocks left whole on every device of the tp group
   (weights annotated replicated in the rewrite): tp_i = 1 and no
@@ -110,10 +119,17 @@ class Candidate:
   zero: int = 0
   replicate: Tuple[int, ...] = ()   # indices of blocks left whole over tp
   offload: bool = False      # optimizer state and update on the host
+  ep: int = 1                # expert parallelism: whole experts over ep
 
   @property
   def devices(self):
-    return self.dp * self.tp * self.pp
+    return self.dp * self.ep * self.tp * self.pp
+
+  @property
+  def replicas(self):
+    """How many ways the batch is split: dp x ep (each ep rank computes its
+    own tokens outside the experts)."""
+    return self.dp * self.ep
 
   @property
   def chunks(self):
@@ -121,9 +137,9 @@ class Candidate:
 
   @property
   def mesh(self):
-    """'pp=2,dp=2,tp=2' with the axes of size 1 left out ('dp=1' if all are)."""
-    axes = [f"{a}={n}" for a, n in (("pp", self.pp), ("dp", self.dp), ("tp", self.tp))
-            if n > 1]
+    """'pp=2,dp=2,ep=2,tp=2' with the axes of size 1 left out ('dp=1' if all are)."""
+    axes = [f"{a}={n}" for a, n in (("pp", self.pp), ("dp", self.dp), ("ep", self.ep),
+                                    ("tp", self.tp)) if n > 1]
     return ",".join(axes) or "dp=1"
 
   def label(self):
@@ -170,7 +186,7 @@ class Estimate:
 
   def to_json(self):
     c = self.candidate
-    return {"mesh": c.mesh, "dp": c.dp, "tp": c.tp, "pp": c.pp,
+    return {"mesh": c.mesh, "dp": c.dp, "tp": c.tp, "pp": c.pp, "ep": c.ep,
             "microbatches": c.microbatches, "schedule": c.schedule,
             "virtual_stages": c.virtual_stages, "recompute": c.recompute, "zero": c.zero,
             "replicate": list(c.replicate), "offload": c.offload,
@@ -188,8 +204,9 @@ def divisors(n):
 
 
 def meshes(devices, profile, max_tp=None, host_size=None):
-  """(dp, tp, pp) over `devices`: tp a power of two the blocks divide by (and
-  within a host), pp at most the layers, dp dividing the batch."""
+  """(dp, tp, pp, ep) over `devices`: tp a power of two the blocks divide by
+  (and within a host), pp at most the layers, ep dividing every MoE layer's
+  experts (1 without experts), dp x ep dividing the batch."""
   n = len(profile.layers)
   limit = min(profile.max_tp if profile.has_blocks else 1, max_tp or devices,
               host_size or devices)
@@ -198,19 +215,22 @@ def meshes(devices, profile, max_tp=None, host_size=None):
     if tp > limit or tp & (tp - 1):
       continue
     for pp in divisors(devices // tp):
-      dp = devices // (tp * pp)
-      if pp <= n and profile.batch % dp == 0:
-        out.append((dp, tp, pp))
+      for ep in divisors(devices // (tp * pp)):
+        if ep > 1 and (not profile.experts or profile.experts % ep):
+          continue
+        dp = devices // (tp * pp * ep)
+        if pp <= n and profile.batch % (dp * ep) == 0:
+          out.append((dp, tp, pp, ep))
   return out
 
 
 def candidates_of(mesh, profile, max_microbatches=None):
-  """Every Candidate on one mesh (dp, tp, pp)."""
-  dp, tp, pp = mesh
+  """Every Candidate on one mesh (dp, tp, pp, ep)."""
+  dp, tp, pp, ep = mesh
   n = len(profile.layers)
   rcs = (RECOMPUTE if pp > 1 else RECOMPUTE[:2]) if profile.has_blocks else ("none",)
   zeros = (0, 1) if dp > 1 else (0,)
-  for m in divisors(profile.batch // dp):
+  for m in divisors(profile.batch // (dp * ep)):
     if max_microbatches and m > max_microbatches:
       break
     scheds = [("1f1b", 1)]
@@ -223,7 +243,7 @@ def candidates_of(mesh, profile, max_microbatches=None):
         if rc == "stages" and v > 1:  # a chunk per stage only
           continue
         for zero in zeros:
-          yield Candidate(dp, tp, pp, m, schedule, v, rc, zero)
+          yield Candidate(dp, tp, pp, m, schedule, v, rc, zero, ep=ep)
 
 
 class Costing(object):
@@ -250,6 +270,12 @@ class Costing(object):
     self.acts, self.inp = col("activations"), col("input_bytes")
     self.split = np.array([r.splittable for r in rows])   # the repeated blocks
     self.tp_layers = np.array([r.tp_split for r in rows])  # the layers the preset splits over tp
+    # The expert weights' share of each layer's weights (and so of its
+    # gradients, optimizer state and update), and its tokens' exchange.
+    self.expert_share = np.array([r.expert_params / r.params if r.params else 0.0
+                                  for r in rows])
+    self.exchange = col("expert_exchange")
+    self.moe = self.exchange > 0
     self.cuts = np.array([float(c) for c in profile.cuts])
     self._links = {}
     self._masks = {}
@@ -284,23 +310,37 @@ class Costing(object):
 
   def _divided(self, c):
     """(tpdiv, params / tpdiv, upd / tpdiv) of c's tp size and replicated
-    blocks (callers never write into them)."""
+    blocks, the expert weights' part of them also over ep (callers never
+    write into them)."""
     key = _split_key(c)
     if key not in self._divisions:
-      tpdiv = np.where(self.tp_split(c), c.tp, 1)
+      tpdiv = np.where(self.tp_split(c), c.tp, 1) / self.kept_over_ep(c)
       self._divisions[key] = (tpdiv, self.params / tpdiv, self.upd / tpdiv)
     return self._divisions[key]
 
+  def kept_over_ep(self, c):
+    """Per layer: the share of its weights (gradients, optimizer state,
+    update) a device of c keeps: all but (1 - 1/ep) of the expert weights."""
+    return 1.0 - self.expert_share * (1.0 - 1.0 / c.ep)
+
+  def dense_params(self, c):
+    """Per layer: bytes of its non-expert weights on a device of c (the
+    gradients summed over ep as well as dp)."""
+    return self.params * (1.0 - self.expert_share) / np.where(self.tp_split(c), c.tp, 1)
+
   # --- links (pp-major layout, tp fastest) ---------------------------------------
   def _link(self, kind, c):
-    key = (kind, c.dp, c.tp, c.pp)
+    key = (kind, c.dp, c.tp, c.pp, c.ep)
     if key not in self._links:
+      inner = c.ep * c.tp   # devices of one data-parallel replica of a stage
       if kind == "tp":
         self._links[key] = self.cluster.group_link(range(c.tp))
+      elif kind == "ep":
+        self._links[key] = self.cluster.group_link(range(0, inner, c.tp))
       elif kind == "dp":
-        self._links[key] = self.cluster.group_link(range(0, c.dp * c.tp, c.tp))
+        self._links[key] = self.cluster.group_link(range(0, c.dp * inner, inner))
       else:  # one pipeline hop
-        self._links[key] = self.cluster.link(0, c.dp * c.tp) if c.pp > 1 else None
+        self._links[key] = self.cluster.link(0, c.dp * inner) if c.pp > 1 else None
     return self._links[key]
 
   def dp_link(self, c):
@@ -326,11 +366,11 @@ class Costing(object):
     """(F, B) per layer for one micro-batch of candidate c (numpy arrays);
     recompute: 'none' or 'blocks' instead of c's ('stages' prices as none)."""
     blocks = (recompute or c.recompute) == "blocks"
-    return self._remember(("times", c.dp * c.microbatches, _split_key(c), blocks),
+    return self._remember(("times", c.replicas * c.microbatches, _split_key(c), blocks),
                           lambda: self._layer_times(c, recompute))
 
   def _layer_times(self, c, recompute):
-    frac = 1.0 / (c.dp * c.microbatches)
+    frac = 1.0 / (c.replicas * c.microbatches)
     split = self.tp_split(c)
     tpdiv = np.where(split, c.tp, 1)
     f = self.fwd * frac / tpdiv + self.fwd_fixed
@@ -342,20 +382,28 @@ class Costing(object):
             2 * (n - 1) / n * self.inp * frac / link.bandwidth)
       f = f + np.where(split, 2 * ar, 0.0)
       b = b + np.where(split, 2 * ar, 0.0)
+    if c.ep > 1 and self.moe.any():
+      # The tokens to their experts and back: an all-to-all each way over
+      # ep (forward, and the same bytes again in the backward).
+      # Each tp rank of an expert exchanges the whole tokens.
+      exchange = collectives.pairwise_all_to_all(c.ep, self.exchange / 2 * frac,
+                                                 self._link("ep", c))
+      f = f + np.where(self.moe, 2 * exchange, 0.0)
+      b = b + np.where(self.moe, 2 * exchange, 0.0)
     if (recompute or c.recompute) == "blocks":
       b = b + np.where(self.split, f, 0.0)
     return f, b
 
   def cut_times(self, c):
     """Seconds per cut: the activations crossing it and their gradients."""
-    return self._remember(("cuts", c.dp * c.microbatches, self._link("pp", c)),
+    return self._remember(("cuts", c.replicas * c.microbatches, self._link("pp", c)),
                           lambda: self._cut_times(c))
 
   def _cut_times(self, c):
     link = self._link("pp", c)
     if link is None or not len(self.cuts):
       return np.zeros(len(self.cuts))
-    frac = 1.0 / (c.dp * c.microbatches)
+    frac = 1.0 / (c.replicas * c.microbatches)
     # Nothing crossing a cut sends nothing (as the stage balancer prices it).
     return np.where(self.cuts > 0, 2 * (link.latency + self.cuts * frac / link.bandwidth),
                     0.0)
@@ -365,17 +413,17 @@ class Costing(object):
     bytes of one recomputation) for candidate c; recompute: 'none' or
     'blocks' instead of c's ('stages' counts as blocks: the least it can keep)."""
     blocks = (recompute or c.recompute) in ("blocks", "stages")
-    return self._remember(("memory", c.dp * c.microbatches, _split_key(c), c.offload,
+    return self._remember(("memory", c.replicas * c.microbatches, _split_key(c), c.offload,
                            c.dp if c.zero else 1, blocks),
                           lambda: self._memory_terms(c, recompute))
 
   def _memory_terms(self, c, recompute):
-    frac = 1.0 / (c.dp * c.microbatches)
+    frac = 1.0 / (c.replicas * c.microbatches)
     tpdiv = self.tpdiv(c)
     weights = self.params / tpdiv
     slots = (0.0 if c.offload else self.slots / tpdiv / (c.dp if c.zero else 1))
     static = 2 * weights + slots   # weights + their gradients + optimizer state
-    full = self.acts * frac / tpdiv
+    full = self.acts * frac / np.where(self.tp_split(c), c.tp, 1)
     if (recompute or c.recompute) in ("blocks", "stages"):
       kept = np.where(self.split, self.inp * frac, full)
       again = np.where(self.split, full, 0.0)
@@ -457,17 +505,21 @@ class Costing(object):
       # On shared cores the steady state's min(S, m) stages (each its dp x
       # tp devices) slow each other, and a stage's own group does in the
       # fill and drain; the schedule's bubble is the same.
-      steady = self.shared_slowdown(min(S, m) * c.dp * c.tp, fb)
-      fill = self.shared_slowdown(c.dp * c.tp, fb)
+      steady = self.shared_slowdown(min(S, m) * c.replicas * c.tp, fb)
+      fill = self.shared_slowdown(c.replicas * c.tp, fb)
       pipe = ((m - 1) * top * steady + total * fill if v == 1 else
               m * top * steady + (total - top) / v * fill)
-    sync = 0.0
-    if c.dp > 1:
-      # Per stage (an array): its gradients' all-reduce, one per bucket.
-      link = self._link("dp", c)
-      buckets = np.maximum(1.0, np.ceil(stage_grads / self.bucket_bytes))
-      sync = max(sync, float((collectives.ring_all_reduce(c.dp, stage_grads, link) +
-                              2 * (c.dp - 1) * link.latency * (buckets - 1)).max()))
+    sync = np.zeros(S)
+    # Per stage: its gradients' all-reduce over dp, one per bucket, and
+    # the non-expert gradients' over ep (each ep rank owns its experts).
+    for n, grads, link in ((c.dp, stage_grads, self._link("dp", c)),
+                           (c.ep, per_stage(per_chunk(self.dense_params(c))),
+                            self._link("ep", c))):
+      if n > 1:
+        buckets = np.maximum(1.0, np.ceil(grads / self.bucket_bytes))
+        sync = sync + (collectives.ring_all_reduce(n, grads, link) +
+                       2 * (n - 1) * link.latency * (buckets - 1))
+    sync = float(sync.max())
     update = float(stage_update.max()) / (c.dp if c.zero else 1) + self.profile.other_update
     if self.profile.concurrency:
       update = max(update, self.shared_update_time(c))
@@ -518,7 +570,7 @@ class Costing(object):
     stages do not update side by side at full speed (the max over stages
     priced the example MLPs' pp=4 steps, whose update is most of their
     time, at 0.73-0.94 of their measured step)."""
-    groups = c.dp * c.tp
+    groups = c.replicas * c.tp
     seconds, ops = self._update_work(c)
     return self.on_shared_cores(groups * seconds, groups * ops * self.profile.op_gap,
                                 c.devices)
@@ -540,9 +592,9 @@ class Costing(object):
     """Seconds of a step on logical devices sharing one machine's cores (see
     the module doc): every device's compute over the concurrency, plus the
     fixed cost of each collective and transfer. recompute: per chunk."""
-    m, groups = c.microbatches, c.dp * c.tp
+    m, groups = c.microbatches, c.replicas * c.tp
     profile = self.profile
-    frac = 1.0 / (c.dp * m)
+    frac = 1.0 / (c.replicas * m)
     split = self.tp_split(c)
     tpdiv = np.where(split, c.tp, 1)
     f = self.fwd * frac / tpdiv + self.fwd_fixed
@@ -561,20 +613,30 @@ class Costing(object):
     if c.tp > 1:   # per split layer and micro-batch (half again recomputed)
       per_layer = self.tp_collectives * np.where(again, 1.5, 1.0)
       launches += (m * float(np.where(split, per_layer, 0.0).sum()) *
-                   profile.collective_for(c.tp, groups=c.dp))
+                   profile.collective_for(c.tp, groups=c.replicas))
+    if c.ep > 1:   # per MoE layer and micro-batch: 2 exchanges forward, 2 back
+      per_layer = 4 * np.where(again, 1.5, 1.0)
+      launches += (m * float(np.where(self.moe, per_layer, 0.0).sum()) *
+                   profile.collective_for(c.ep, groups=c.dp * c.tp))
+      dense = self.dense_params(c)
+      ep_launches = 0
+      for j, i in ranges:
+        ep_launches += max(1, math.ceil(float(dense[j:i].sum()) / self.bucket_bytes))
+      launches += ep_launches * profile.collective_for(c.ep, groups=c.dp * c.tp)
+    weights_div = self.tpdiv(c)
     if c.dp > 1:
       # The step's outputs (the loss), all-reduced over dp once per step.
       dp_launches = profile.step_outputs
       fixed, per_byte = profile.bucket_copy
       for j, i in ranges:
-        grads = float((self.params[j:i] / tpdiv[j:i]).sum())
+        grads = float((self.params[j:i] / weights_div[j:i]).sum())
         buckets = max(1, math.ceil(grads / self.bucket_bytes))
         dp_launches += buckets
         # Every replica packs and unpacks its buckets.
-        work += c.tp * c.dp * (buckets * fixed + grads * per_byte)
+        work += c.tp * c.replicas * (buckets * fixed + grads * per_byte)
         if c.zero:
           dp_launches += float(self.variables[j:i].sum())
-      launches += dp_launches * profile.collective_for(c.dp, groups=c.tp)
+      launches += dp_launches * profile.collective_for(c.dp, groups=c.ep * c.tp)
     crossing = sum(1 for _, i in ranges[:-1] if self.cuts[i - 1] > 0)
     transfers = 2 * crossing * groups * m
     ops = (m * float((self.fwd_ops + self.bwd_ops +
@@ -585,7 +647,7 @@ class Costing(object):
 
 def _split_key(c):
   """What of c decides which layers it splits over tp, and how far."""
-  return (c.tp, c.replicate) if c.tp > 1 else (1, ())
+  return ((c.tp, c.replicate) if c.tp > 1 else (1, ())) + (c.ep,)
 
 
 def even_ranges(n, chunks):

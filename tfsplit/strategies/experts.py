@@ -28,6 +28,7 @@ class ExpertWeight:
   experts: int           # size of its expert dimension (0)
   rank: int
   contractions: Tuple[str, ...]  # the forward contractions reading it
+  operands: Tuple[int, ...] = ()  # its operand index in each of them
 
 
 def find_expert_weights(graph, shapes, variables, roles=None) -> List[ExpertWeight]:
@@ -47,11 +48,30 @@ def find_expert_weights(graph, shapes, variables, roles=None) -> List[ExpertWeig
     letters, out_letters = _operand_letters(node, shapes)
     if letters[operand][0] not in out_letters:
       continue
-    found.setdefault(var.node, []).append(name)
+    found.setdefault(var.node, []).append((name, operand))
     info[var.node] = var
   return [ExpertWeight(info[h].name, h, int(info[h].shape[0]), len(info[h].shape),
-                       tuple(names))
-          for h, names in found.items()]
+                       tuple(n for n, _ in reads), tuple(i for _, i in reads))
+          for h, reads in found.items()]
+
+
+def token_exchange_bytes(graph, shapes, experts):
+  """Bytes the tokens of one forward of the layer the `experts` belong to
+  take to and from their experts' devices (at the graph's batch): the
+  tokens entering its first expert contraction and the expert outputs
+  leaving its last one (each one all-to-all over ep, or for dense routing
+  an all-gather in). 0 where a shape is unknown."""
+  position = {n: i for i, n in enumerate(graph.topological_order())}
+  reads = sorted({(c, i) for e in experts for c, i in zip(e.contractions, e.operands)},
+                 key=lambda r: position.get(r[0], 0))
+  if not reads:
+    return 0
+  first, operand = reads[0]
+  data = [t for t in graph.node(first).input if not t.startswith("^")]
+  tokens = shapes.get(data[1 - operand]) if len(data) == 2 else None
+  out = shapes.get(f"{reads[-1][0]}:0")
+  sizes = [t.num_bytes if t is not None else None for t in (tokens, out)]
+  return 0 if None in sizes else sum(sizes)
 
 
 def expert_layers(experts, layer_of, variables):
