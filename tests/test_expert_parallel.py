@@ -35,9 +35,11 @@ from _util import check_training, example, names
 BATCH = 16
 MODELS = ("switch_keras3", "switch_tfkeras", "moe_keras3", "moe_tfkeras")
 MESHES = (("ep=2", 1), ("dp=2,ep=2", 2), ("ep=2,tp=2", 1), ("pp=2,ep=2", 2))
-# In CI: both layer kinds and flavors, data and expert parallelism with
-# micro-batches, and the pipeline; the rest is slow.
-_CI = {("switch_keras3", "dp=2,ep=2"), ("moe_tfkeras", "pp=2,ep=2")}
+# In CI: the pipeline over dense routing (tf_keras) here, data and expert
+# parallelism with micro-batches over capacity dispatch (Keras 3) through a
+# plan file (test_an_ep_plan_file_applies_and_trains_exactly); the rest is
+# slow.
+_CI = {("moe_tfkeras", "pp=2,ep=2")}
 CASES = [pytest.param(name, mesh, m, id=f"{name}-{mesh}-m{m}",
                       marks=() if (name, mesh) in _CI else pytest.mark.slow)
          for name in MODELS for mesh, m in MESHES]
@@ -141,7 +143,8 @@ def test_ep_without_expert_weights():
 
 @pytest.mark.parametrize("name,options", [
     pytest.param("switch_keras3", {"zero": 1}, id="switch_keras3-zero1"),
-    pytest.param("moe_tfkeras", {"recompute": "blocks"}, id="moe_tfkeras-recompute")])
+    pytest.param("moe_tfkeras", {"recompute": "blocks"}, id="moe_tfkeras-recompute",
+                 marks=pytest.mark.slow)])
 def test_ep_with_zero_and_recompute(name, options):
   """dp=2,ep=2 over 2 micro-batches with optimizer-state sharding (each
   gradient reduce-scattered over dp, then its shard all-reduced over ep and
