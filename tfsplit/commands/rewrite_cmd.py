@@ -23,7 +23,8 @@ def define_flags(fv):
                        "accumulation); the batch must divide by dp x microbatches.",
                        flag_values=fv)
   flags.DEFINE_integer("stages", 1, "Pipeline stages (adds a pp axis in front of "
-                       "--mesh); layers are balanced by FLOPs.", flag_values=fv)
+                       "--mesh); stages are balanced by the cost model's op times plus the "
+                       "activations crossing each cut.", flag_values=fv)
   flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe", "interleaved"],
                     "Pipeline schedule (interleaved: Megatron's interleaved 1F1B over "
                     "--virtual-stages model chunks per stage).", flag_values=fv)
