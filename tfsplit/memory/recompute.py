@@ -337,7 +337,7 @@ def _reads_only_scalars(graph, shapes, name):
   """True when every tensor `name` reads is known to be a scalar: waiting
   for it keeps no activation-sized gradient from living on."""
   def scalar(src, port):
-    info = shapes.get(f"{src}:{port}")
+    info = shapes.tensor(src, port)
     return info is not None and info.shape is not None and len(info.shape) == 0
   return all(scalar(src, port) for src, port in graph.data_inputs(name))
 

@@ -385,7 +385,10 @@ def _expert_rows(analysis, model):
   from tfsplit.strategies import experts as experts_lib  # pylint: disable=import-outside-toplevel
   found = experts_lib.find_expert_weights(analysis.graph, analysis.shapes,
                                           analysis.variables, analysis.roles)
+  if not found:
+    return {}
   size = {v.node: v.num_bytes or 0 for v in analysis.variables}
+  position = {n: i for i, n in enumerate(analysis.graph.topological_order())}
   by_layer = {}
   for k, layer in enumerate(model):
     mine = [e for e in found if e.node in layer.variables]
@@ -393,8 +396,8 @@ def _expert_rows(analysis, model):
       by_layer[k] = {
           "experts": math.gcd(*[e.experts for e in mine]),
           "expert_params": sum(size[e.node] for e in mine),
-          "expert_exchange": experts_lib.token_exchange_bytes(analysis.graph,
-                                                               analysis.shapes, mine)}
+          "expert_exchange": experts_lib.token_exchange_bytes(
+              analysis.graph, analysis.shapes, mine, position)}
   return by_layer
 
 

@@ -95,7 +95,7 @@ def _expert_reasons(result, costing):
   if c.ep > 1:
     experts = float(costing.profile.experts_bytes)
     what = (f"splits the experts over ep={c.ep}: each device holds "
-            f"{format_bytes(experts / c.ep / c.pp / (c.tp or 1))} of the "
+            f"{format_bytes(experts / c.ep / c.pp / c.tp)} of the "
             f"{format_bytes(experts)} of expert weights, and each MoE layer's tokens go to "
             "their experts by all-to-all")
     kind = "without ep"

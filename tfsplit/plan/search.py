@@ -287,10 +287,10 @@ class Planner(object):
     """Seconds c with its state offloaded takes at least: `lower_bound`
     plus the average stage's update on the host (the slowest stage's is
     no less)."""
-    tpdiv = self.costing.tpdiv(c)
+    div = self.costing.weights_divisor(c)
     costing = self.costing
-    host = float((costing.upd / tpdiv * costing.host_update_scale +
-                  2 * costing.params / tpdiv / space.HOST_LINK.bandwidth).sum())
+    host = float((costing.upd / div * costing.host_update_scale +
+                  2 * costing.params / div / space.HOST_LINK.bandwidth).sum())
     return self.lower_bound(c) + host / c.pp
 
   def variants(self, c, limit=None):

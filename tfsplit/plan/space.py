@@ -305,17 +305,23 @@ class Costing(object):
       self._masks[c.replicate] = mask
     return self._masks[c.replicate]
 
-  def tpdiv(self, c):
+  def tp_divisor(self, c):
+    """Per layer: c.tp where c splits it over tp, else 1 (its compute and
+    activations per device are 1/that)."""
+    return np.where(self.tp_split(c), c.tp, 1)
+
+  def weights_divisor(self, c):
+    """Per layer: what its weights, gradients, optimizer state and update
+    are divided by on a device of c (tp, and ep for its expert part)."""
     return self._divided(c)[0]
 
   def _divided(self, c):
-    """(tpdiv, params / tpdiv, upd / tpdiv) of c's tp size and replicated
-    blocks, the expert weights' part of them also over ep (callers never
-    write into them)."""
+    """(weights_divisor, params / it, upd / it) of c's tp size, replicated
+    blocks and ep (callers never write into them)."""
     key = _split_key(c)
     if key not in self._divisions:
-      tpdiv = np.where(self.tp_split(c), c.tp, 1) / self.kept_over_ep(c)
-      self._divisions[key] = (tpdiv, self.params / tpdiv, self.upd / tpdiv)
+      div = self.tp_divisor(c) / self.kept_over_ep(c)
+      self._divisions[key] = (div, self.params / div, self.upd / div)
     return self._divisions[key]
 
   def kept_over_ep(self, c):
@@ -326,7 +332,7 @@ class Costing(object):
   def dense_params(self, c):
     """Per layer: bytes of its non-expert weights on a device of c (the
     gradients summed over ep as well as dp)."""
-    return self.params * (1.0 - self.expert_share) / np.where(self.tp_split(c), c.tp, 1)
+    return self.params * (1.0 - self.expert_share) / self.tp_divisor(c)
 
   # --- links (pp-major layout, tp fastest) ---------------------------------------
   def _link(self, kind, c):
@@ -372,7 +378,7 @@ class Costing(object):
   def _layer_times(self, c, recompute):
     frac = 1.0 / (c.replicas * c.microbatches)
     split = self.tp_split(c)
-    tpdiv = np.where(split, c.tp, 1)
+    tpdiv = self.tp_divisor(c)
     f = self.fwd * frac / tpdiv + self.fwd_fixed
     b = self.bwd * frac / tpdiv + self.bwd_fixed
     if c.tp > 1:
@@ -419,11 +425,11 @@ class Costing(object):
 
   def _memory_terms(self, c, recompute):
     frac = 1.0 / (c.replicas * c.microbatches)
-    tpdiv = self.tpdiv(c)
-    weights = self.params / tpdiv
-    slots = (0.0 if c.offload else self.slots / tpdiv / (c.dp if c.zero else 1))
+    div = self.weights_divisor(c)
+    weights = self.params / div
+    slots = (0.0 if c.offload else self.slots / div / (c.dp if c.zero else 1))
     static = 2 * weights + slots   # weights + their gradients + optimizer state
-    full = self.acts * frac / np.where(self.tp_split(c), c.tp, 1)
+    full = self.acts * frac / self.tp_divisor(c)
     if (recompute or c.recompute) in ("blocks", "stages"):
       kept = np.where(self.split, self.inp * frac, full)
       again = np.where(self.split, full, 0.0)
@@ -509,17 +515,13 @@ class Costing(object):
       fill = self.shared_slowdown(c.replicas * c.tp, fb)
       pipe = ((m - 1) * top * steady + total * fill if v == 1 else
               m * top * steady + (total - top) / v * fill)
-    sync = np.zeros(S)
     # Per stage: its gradients' all-reduce over dp, one per bucket, and
     # the non-expert gradients' over ep (each ep rank owns its experts).
-    for n, grads, link in ((c.dp, stage_grads, self._link("dp", c)),
-                           (c.ep, per_stage(per_chunk(self.dense_params(c))),
-                            self._link("ep", c))):
-      if n > 1:
-        buckets = np.maximum(1.0, np.ceil(grads / self.bucket_bytes))
-        sync = sync + (collectives.ring_all_reduce(n, grads, link) +
-                       2 * (n - 1) * link.latency * (buckets - 1))
-    sync = float(sync.max())
+    sync = self._gradient_sync(c.dp, stage_grads, self._link("dp", c))
+    if c.ep > 1:
+      sync = sync + self._gradient_sync(c.ep, per_stage(per_chunk(self.dense_params(c))),
+                                        self._link("ep", c))
+    sync = float(np.max(sync))
     update = float(stage_update.max()) / (c.dp if c.zero else 1) + self.profile.other_update
     if self.profile.concurrency:
       update = max(update, self.shared_update_time(c))
@@ -537,6 +539,15 @@ class Costing(object):
                     update_time=update, bubble=bubble,
                     stage_memory=[int(x) for x in memory],
                     stage_time=[float(x) for x in stage_cost], recomputed=recomputed)
+
+  def _gradient_sync(self, n, grads, link):
+    """Seconds per stage of all-reducing `grads` bytes per stage (an array)
+    over n devices, one all-reduce per bucket (0 for n = 1)."""
+    if n == 1:
+      return np.zeros(len(grads))
+    buckets = np.maximum(1.0, np.ceil(grads / self.bucket_bytes))
+    return (collectives.ring_all_reduce(n, grads, link) +
+            2 * (n - 1) * link.latency * (buckets - 1))
 
   def on_shared_cores(self, work, gaps, devices):
     """Seconds of `work` seconds of compute, `gaps` of them per-op gaps,
@@ -559,8 +570,7 @@ class Costing(object):
                           lambda: self._priced_update(c))
 
   def _priced_update(self, c):
-    tpdiv = self.tpdiv(c)
-    work = (self.upd - self.upd_fixed) / tpdiv / (c.dp if c.zero else 1)
+    work = (self.upd - self.upd_fixed) / self.weights_divisor(c) / (c.dp if c.zero else 1)
     return (float((work + self.upd_fixed).sum()) + self.profile.other_update,
             float(self.upd_ops.sum()) + self.profile.other_update_ops)
 
@@ -596,7 +606,7 @@ class Costing(object):
     profile = self.profile
     frac = 1.0 / (c.replicas * m)
     split = self.tp_split(c)
-    tpdiv = np.where(split, c.tp, 1)
+    tpdiv = self.tp_divisor(c)
     f = self.fwd * frac / tpdiv + self.fwd_fixed
     b = self.bwd * frac / tpdiv + self.bwd_fixed
     again = np.zeros(self.n, dtype=bool)
@@ -623,7 +633,7 @@ class Costing(object):
       for j, i in ranges:
         ep_launches += max(1, math.ceil(float(dense[j:i].sum()) / self.bucket_bytes))
       launches += ep_launches * profile.collective_for(c.ep, groups=c.dp * c.tp)
-    weights_div = self.tpdiv(c)
+    weights_div = self.weights_divisor(c)
     if c.dp > 1:
       # The step's outputs (the loss), all-reduced over dp once per step.
       dp_launches = profile.step_outputs

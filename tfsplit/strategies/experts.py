@@ -14,6 +14,7 @@ With 'tp' as well, an expert's own matrices are split by the megatron preset
 inside each expert (a column split of [E, d, f] moves from E to f).
 """
 import dataclasses
+import os
 from typing import Dict, List, Tuple
 
 from tfsplit import constants
@@ -55,13 +56,13 @@ def find_expert_weights(graph, shapes, variables, roles=None) -> List[ExpertWeig
           for h, reads in found.items()]
 
 
-def token_exchange_bytes(graph, shapes, experts):
+def token_exchange_bytes(graph, shapes, experts, position):
   """Bytes the tokens of one forward of the layer the `experts` belong to
   take to and from their experts' devices (at the graph's batch): the
   tokens entering its first expert contraction and the expert outputs
   leaving its last one (each one all-to-all over ep, or for dense routing
-  an all-gather in). 0 where a shape is unknown."""
-  position = {n: i for i, n in enumerate(graph.topological_order())}
+  an all-gather in). 0 where a shape is unknown. position: {node: index}
+  in topological order (one map for every layer of the graph)."""
   reads = sorted({(c, i) for e in experts for c, i in zip(e.contractions, e.operands)},
                  key=lambda r: position.get(r[0], 0))
   if not reads:
@@ -90,14 +91,8 @@ def expert_layers(experts, layer_of, variables):
     group["bytes"] += size.get(expert.node) or 0
   out = []
   for group in groups.values():
-    scopes = group.pop("scopes")
-    common = scopes[0].split("/")
-    for scope in scopes[1:]:
-      parts = scope.split("/")
-      n = 0
-      while n < min(len(common), len(parts)) and common[n] == parts[n]:
-        n += 1
-      common = common[:n]
+    # commonprefix compares lists element by element: whole scope names.
+    common = os.path.commonprefix([s.split("/") for s in group.pop("scopes")])
     counts = sorted(group["experts"])
     group["experts"] = counts[0] if len(counts) == 1 else counts
     out.append(dict(group, scope="/".join(common)))
