@@ -28,6 +28,15 @@ FORWARD, BACKWARD, UPDATE = "forward", "backward", "update"
 ROLES = (FORWARD, BACKWARD, UPDATE)
 # Schedule block kinds: a forward (F) or backward (B) micro-batch block.
 BLOCK_OF_ROLE = {FORWARD: "F", BACKWARD: "B"}
+# The zero-bubble schedules split a backward block in two: B (the input
+# gradients, on the critical path to the previous stage) and W (the weight
+# gradients, which only the update waits for).
+WEIGHT_GRADIENT_BLOCK = "W"
+# Pipeline schedules by name (pipeline/schedules.py orders them; the
+# simulator, the planner and the command lines accept these names).
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
+# Schedules that order B and W blocks apart.
+ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-h2")
 
 # --- op families ------------------------------------------------------------------
 ASSIGN_OPS = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])

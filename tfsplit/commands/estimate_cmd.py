@@ -18,6 +18,7 @@ memory may also be a hardware preset name, e.g. h100-80gb.
 """
 from absl import flags
 
+from tfsplit import constants
 from tfsplit.commands import common
 from tfsplit.cost import cluster as cluster_lib
 from tfsplit.cost import estimate
@@ -65,7 +66,7 @@ def define_flags(fv):
     flag_values=fv)
   i("stages", 4, "Pipeline stages S.", lower_bound=1, flag_values=fv)
   i("microbatches", 8, "Micro-batches m per step.", lower_bound=1, flag_values=fv)
-  e("schedule", "1f1b", ["1f1b", "gpipe", "interleaved"], "Pipeline schedule.",
+  e("schedule", "1f1b", list(constants.PIPELINE_SCHEDULES), "Pipeline schedule.",
     flag_values=fv)
   i("virtual-stages", 1, "Model chunks per stage for --schedule interleaved (>= 2; "
     "--microbatches a multiple of --stages).", lower_bound=1, flag_values=fv)

@@ -9,6 +9,7 @@ import sys
 
 from absl import flags
 
+from tfsplit import constants
 from tfsplit.commands import common
 
 USAGE = "tfsplit rewrite IN -o OUT (--mesh tp=4 [--strategy megatron] | --plan plan.json)"
@@ -25,9 +26,12 @@ def define_flags(fv):
   flags.DEFINE_integer("stages", 1, "Pipeline stages (adds a pp axis in front of "
                        "--mesh); stages are balanced by the cost model's op times plus the "
                        "activations crossing each cut.", flag_values=fv)
-  flags.DEFINE_enum("schedule", "1f1b", ["1f1b", "gpipe", "interleaved"],
+  flags.DEFINE_enum("schedule", "1f1b", list(constants.PIPELINE_SCHEDULES),
                     "Pipeline schedule (interleaved: Megatron's interleaved 1F1B over "
-                    "--virtual-stages model chunks per stage).", flag_values=fv)
+                    "--virtual-stages model chunks per stage; zb-h1, zb-h2: zero-bubble "
+                    "schedules that run weight gradients apart from input gradients, "
+                    "zb-h1 at 1f1b's peak memory, zb-h2 at about twice it).",
+                    flag_values=fv)
   flags.DEFINE_integer("virtual-stages", 1, "Model chunks per pipeline stage for "
                        "--schedule interleaved (>= 2; --microbatches a multiple of "
                        "--stages); the layers are cut into stages x virtual-stages "

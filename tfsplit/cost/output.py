@@ -11,8 +11,10 @@ import json
 from tfsplit.errors import TfsplitError
 from tfsplit.fileio import write_atomically
 
-_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "comm": "#55a868",
-           "compute": "#8172b3", "optimizer": "#c44e52"}
+# 'backward' is a whole backward, or its input gradients (B) where a
+# zero-bubble schedule runs the weight gradients ('weight', W) apart.
+_COLORS = {"forward": "#4c72b0", "backward": "#dd8452", "weight": "#da8bc3",
+           "comm": "#55a868", "compute": "#8172b3", "optimizer": "#c44e52"}
 _OTHER_COLOR = "#937860"
 
 

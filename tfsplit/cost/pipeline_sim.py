@@ -22,13 +22,28 @@ On uniform stages without communication both have the bubble fraction
   step instead of (S - 1) / m; stage s holds at most
   min(2 (S - s - 1) + (v - 1) S + 1, v m) chunk activations
   (activation_bytes / v each).
+
+- zb-h1, zb-h2 (zero bubble): each backward is two tasks, B(s, j) (the
+  input gradient: reads F(s, j) and B(s+1, j)) and W(s, j) (the weight
+  gradient, weight_fraction of the backward time: reads B(s, j) and F(s, j),
+  whose activations it frees), run in the schedule's order on each stage.
+  With equal F, B and W, zb-h1's bubble is (S - 1)(F + B - W), a third of
+  1f1b's (S - 1)(F + B + W), at 1f1b's peak (min(S, m) on every stage);
+  zb-h2 leaves no idle time between a stage's first and last task (the
+  steady bubble, what a stage loses when consecutive steps overlap) for up
+  to 2S - 1 micro-batches in flight. Within one synchronous step the last
+  stage still waits (S - 1) F for its first forward under every schedule.
 """
 import dataclasses
 
+from tfsplit import constants
 from tfsplit.cost.simulator import TaskGraph
 from tfsplit.errors import PlanError
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = constants.PIPELINE_SCHEDULES
+# A dense layer's weight-gradient MatMul costs what its input-gradient one
+# does: half the backward.
+DEFAULT_WEIGHT_FRACTION = 0.5
 
 
 def theoretical_bubble(stages, microbatches, chunks=1):
@@ -38,7 +53,18 @@ def theoretical_bubble(stages, microbatches, chunks=1):
 
 def theoretical_peak_activations(schedule, stages, microbatches, chunks=1):
   """Live activations per stage: m for gpipe, min(S - s, m) for 1f1b; chunk
-  activations (1/v of a micro-batch's each) for interleaved."""
+  activations (1/v of a micro-batch's each) for interleaved; for the
+  zero-bubble schedules the most micro-batches between an F and its W in
+  the stage's order (min(S, m) for zb-h1, up to 2S - 1 for zb-h2)."""
+  if schedule in constants.ZERO_BUBBLE_SCHEDULES:
+    peaks = []
+    for s in range(stages):
+      live = peak = 0
+      for kind, _ in stage_order(schedule, stages, microbatches, s):
+        live += {"F": 1, "W": -1}.get(kind, 0)
+        peak = max(peak, live)
+      peaks.append(peak)
+    return peaks
   if schedule == "gpipe":
     return [microbatches] * stages
   if schedule == "interleaved":
@@ -67,6 +93,21 @@ class PipelineResult:
                               # chunk activations for interleaved)
   peak_memory: list           # bytes per stage, static bytes included
   chunks: int = 1             # model chunks per stage (interleaved: v)
+  span_idle: list = None      # seconds per stage idle between its first and last task
+
+  @property
+  def bubble_time(self):
+    """Seconds the most idle stage waits within the step (its bubble)."""
+    return max(self.stage_bubble) * self.sim.step_time
+
+  @property
+  def steady_bubble_time(self):
+    """Seconds the most idle stage waits between its own first and last
+    task: the bubble per step when consecutive steps overlap (a stage
+    starts the next step as soon as it has finished this one, as the
+    zero-bubble paper counts it); the step's bubble adds the wait of the
+    later stages for their first forward."""
+    return max(self.span_idle)
 
   def summary(self):
     return {
@@ -74,6 +115,8 @@ class PipelineResult:
         "microbatches": self.microbatches, "virtual_stages": self.chunks,
         "step_time": self.sim.step_time,
         "bubble_fraction": self.bubble_fraction,
+        "bubble_time": self.bubble_time,
+        "steady_bubble_time": self.steady_bubble_time,
         "theoretical_bubble_fraction": theoretical_bubble(
             self.stages, self.microbatches, self.chunks),
         "comm_time": self.sim.comm_time,
@@ -87,17 +130,27 @@ class PipelineResult:
 
 def build_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
                    backward_time=2.0, activation_bytes=1, p2p_time=0.0,
-                   static_bytes=0, chunks=1):
+                   static_bytes=0, chunks=1, weight_fraction=DEFAULT_WEIGHT_FRACTION):
   """The task DAG of one training step; returns (TaskGraph, devices).
 
   `p2p_time` > 0 puts each activation and gradient transfer between
   neighbouring stages on its own link (one per direction per stage pair).
   chunks: model chunks per stage (the interleaved schedule's v).
+  weight_fraction: the share of backward_time that is weight gradients
+  (the W tasks of the zero-bubble schedules).
   """
   _check(stages, microbatches, schedule, forward_time, backward_time, p2p_time, chunks)
   if schedule == "interleaved":
     return _build_interleaved(stages, microbatches, chunks, forward_time, backward_time,
                               activation_bytes, p2p_time, static_bytes)
+  if schedule in constants.ZERO_BUBBLE_SCHEDULES:
+    if not 0 < weight_fraction < 1:
+      raise PlanError(f"the weight-gradient share of the backward must be in (0, 1), "
+                      f"got {weight_fraction!r}")
+    return _build_split_backward(stages, microbatches, schedule, forward_time,
+                                 backward_time * (1 - weight_fraction),
+                                 backward_time * weight_fraction, activation_bytes,
+                                 p2p_time, static_bytes)
   S, m = stages, microbatches
   g = TaskGraph()
   devices = [g.add_device(f"stage{s}", static_bytes=static_bytes)
@@ -200,6 +253,48 @@ def _build_interleaved(S, m, v, forward_time, backward_time, activation_bytes,
   return g, devices
 
 
+def _build_split_backward(S, m, schedule, forward_time, input_time, weight_time,
+                          activation_bytes, p2p_time, static_bytes):
+  """F, B and W tasks per stage and micro-batch, each stage running its
+  tasks in the schedule's order, one after the other."""
+  g = TaskGraph()
+  devices = [g.add_device(f"stage{s}", static_bytes=static_bytes) for s in range(S)]
+  links = {}
+
+  def send(name, a, b, src):
+    if not p2p_time:
+      return src
+    if (a, b) not in links:  # one link per direction per stage pair
+      links[(a, b)] = g.add_link(f"stage{a}->stage{b}", (devices[a], devices[b]))
+    return g.add_task(name, links[(a, b)], p2p_time, deps=[src], kind="comm")
+
+  orders = [stage_order(schedule, S, m, s) for s in range(S)]
+  prio = {(kind, s, j): pos for s in range(S) for pos, (kind, j) in enumerate(orders[s])}
+  task = {"F": [[0] * m for _ in range(S)], "B": [[0] * m for _ in range(S)],
+          "W": [[0] * m for _ in range(S)]}
+  for s in range(S):
+    for j in range(m):
+      deps = [send(f"send F{j} s{s - 1}->s{s}", s - 1, s, task["F"][s - 1][j])] if s else []
+      task["F"][s][j] = g.add_task(f"F{j}", devices[s], forward_time, deps=deps,
+                                   kind="forward", alloc=activation_bytes,
+                                   priority=prio[("F", s, j)])
+  for s in reversed(range(S)):
+    for j in range(m):
+      deps = [task["F"][s][j]]
+      if s < S - 1:
+        deps.append(send(f"send B{j} s{s + 1}->s{s}", s + 1, s, task["B"][s + 1][j]))
+      task["B"][s][j] = g.add_task(f"B{j}", devices[s], input_time, deps=deps,
+                                   kind="backward", priority=prio[("B", s, j)])
+      task["W"][s][j] = g.add_task(f"W{j}", devices[s], weight_time,
+                                   deps=[task["B"][s][j], task["F"][s][j]],
+                                   kind="weight", priority=prio[("W", s, j)])
+  for s in range(S):
+    seq = [task[kind][s][j] for kind, j in orders[s]]
+    for before, after in zip(seq, seq[1:]):
+      g.add_control_dep(after, before)
+  return g, devices
+
+
 def _chunk_bytes(activation_bytes, chunks):
   """Bytes one chunk's activations take (at least 1, so they are counted)."""
   if chunks == 1 or not activation_bytes:
@@ -209,17 +304,23 @@ def _chunk_bytes(activation_bytes, chunks):
 
 def simulate_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
                       backward_time=2.0, activation_bytes=1, p2p_time=0.0,
-                      static_bytes=0, chunks=1):
+                      static_bytes=0, chunks=1, weight_fraction=DEFAULT_WEIGHT_FRACTION):
   """Simulates one step; returns a PipelineResult.
 
   chunks: model chunks per stage, v >= 2 for the interleaved schedule (which
   then counts live chunk activations of activation_bytes / v each).
+  weight_fraction: the W share of backward_time (zero-bubble schedules).
   """
   g, devices = build_pipeline(stages, microbatches, schedule, forward_time,
                               backward_time, activation_bytes, p2p_time,
-                              static_bytes, chunks)
+                              static_bytes, chunks, weight_fraction)
   sim = g.simulate()
   stage_bubble = [sim.idle_fraction(d) for d in devices]
+  span_idle = []
+  for d in devices:
+    tasks = [t for t, r in enumerate(g.resources) if r == d]
+    span = max(sim.end[t] for t in tasks) - min(sim.start[t] for t in tasks)
+    span_idle.append(max(0.0, span - sim.busy[d]))
   peak_memory = [sim.peak_memory[d] for d in devices]
   unit = _chunk_bytes(activation_bytes, chunks)
   peak_acts = [(p - static_bytes) // unit if unit else 0 for p in peak_memory]
@@ -227,7 +328,7 @@ def simulate_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
       schedule=schedule, stages=stages, microbatches=microbatches, sim=sim,
       bubble_fraction=sum(stage_bubble) / len(stage_bubble),
       stage_bubble=stage_bubble, peak_activations=peak_acts,
-      peak_memory=peak_memory, chunks=chunks)
+      peak_memory=peak_memory, chunks=chunks, span_idle=span_idle)
 
 
 def _check(stages, microbatches, schedule, forward_time, backward_time,

@@ -16,7 +16,7 @@ from tfsplit.memory import recompute as recompute_lib
 from tfsplit.pipeline.schedules import Interleaved
 
 STRATEGIES = ("megatron", "none")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = constants.PIPELINE_SCHEDULES
 BALANCES = ("cost", "flops")
 # What float32 gradients may travel in over the data axis instead (off by
 # default: the dtype the graph accumulates them in).

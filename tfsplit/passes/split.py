@@ -332,16 +332,18 @@ def order_work(state):
   if state.stage_of is None and (
       state.mesh.axes.get(constants.MICROBATCH_AXIS, 1) <= 1 or not out.local_sums):
     return  # nothing to order (order_microbatches would add no edge)
+  schedule = (None if state.stage_of is None else
+              schedules_lib.get_schedule(state.config.schedule, state.config.virtual_stages))
   sets = schedules_lib.micro_batch_sets(
       out.graph_def, out.records, analysis.layers.block_roles(), state.mesh,
-      schedules_lib.waiting_for_updates(analysis.graph, analysis.roles), state.stage_of)
-  if state.stage_of is None:
+      schedules_lib.waiting_for_updates(analysis.graph, analysis.roles), state.stage_of,
+      split_backward=schedule is not None and schedule.splits_backward)
+  if schedule is None:
     microbatch_lib.order_microbatches(out.graph_def, sets, out.local_sums, state.mesh)
     return
   state.schedule_edges = schedules_lib.apply_schedule(
-      out.graph_def,
-      schedules_lib.get_schedule(state.config.schedule, state.config.virtual_stages),
-      sets, state.mesh, state.config.stages, state.config.microbatches)
+      out.graph_def, schedule, sets, state.mesh, state.config.stages,
+      state.config.microbatches)
 
 
 def bucket_gradients(state):

@@ -22,21 +22,34 @@ for the previous block's exit nodes, which enforces the order exactly:
   2 (S - s - 1) + (v - 1) S chunk-forwards, then alternates one forward and
   one backward (chunks in reverse). The bubble shrinks by v.
 
+- zb-h1, zb-h2 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024):
+  each backward block is split into B (input gradients, which the previous
+  stage waits for) and W (weight gradients, which only the update waits
+  for), and W blocks fill what 1f1b leaves idle. zb-h1 keeps 1f1b's
+  warm-up and defers stage s's first s W blocks: every stage holds at most
+  min(S, m) micro-batches (1f1b's first stage's peak) and, with equal F, B
+  and W, the bubble is (S - 1)(F + B - W), a third of 1f1b's. zb-h2 runs
+  up to 2S - 1 forwards ahead and fills the rest with W: no idle time
+  inside a stage's span (a parallelogram) for about twice the memory.
+
 Blocks are (kind, micro-batch, chunk), the chunk counted on the stage
-(0 .. v-1: global chunk chunk * S + stage); gpipe and 1f1b have one chunk
-and give their order as (kind, micro-batch).
+(0 .. v-1: global chunk chunk * S + stage); gpipe, 1f1b and the zero-bubble
+schedules have one chunk and give their order as (kind, micro-batch).
 """
 import collections
 
 from tfsplit import constants
-from tfsplit.errors import PlanError
-from tfsplit.graph.ir import input_node, parse_input
+from tfsplit.errors import GraphValidationError, PlanError
+from tfsplit.graph.ir import Graph, input_node, parse_input
+from tfsplit.graph.weight_gradients import weight_gradient_nodes
 
 
 class Schedule(object):
-  """A per-stage order of forward (F) and backward (B) micro-batch blocks."""
+  """A per-stage order of forward (F) and backward (B) micro-batch blocks
+  (B and W blocks where `splits_backward`)."""
   name = None
   chunks = 1  # model chunks (virtual stages) per pipeline stage
+  splits_backward = False  # orders input-gradient (B) and weight-gradient (W) blocks apart
 
   def order(self, stage, stages, microbatches):
     """The [('F'|'B', j)] (one chunk) or [('F'|'B', j, chunk)] sequence this
@@ -134,12 +147,101 @@ class Interleaved(Schedule):
     return seq + backwards[len(forwards) - w:]
 
 
-SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved}
+class ZeroBubbleH1(Schedule):
+  """ZB-H1: 1f1b's K_s = min(S - s, m) warm-up forwards, then B, W and F in
+  turn, with stage s's W blocks s micro-batches behind its B blocks; the
+  deferred W blocks run where 1f1b's stage s would wait for the gradients
+  of later stages. A micro-batch's activations live until its W, so every
+  stage holds at most min(S, m) of them, as 1f1b's first stage does."""
+  name = "zb-h1"
+  splits_backward = True
+
+  def order(self, stage, stages, microbatches):
+    m = microbatches
+    k = min(stages - stage, m)
+    seq = [("F", j) for j in range(k)]
+    weights = 0  # W blocks placed so far
+    for j in range(m):
+      seq.append(("B", j))
+      if j - stage >= 0:
+        seq.append(("W", j - stage))
+        weights = j - stage + 1
+      if j + k < m:
+        seq.append(("F", j + k))
+    return seq + [("W", j) for j in range(weights, m)]
+
+
+class ZeroBubbleH2(Schedule):
+  """ZB-H2: up to 2S - 1 micro-batches in flight on every stage, so forwards
+  fill the warm-up and W blocks the drain: with equal F, B and W no stage
+  waits between its first and its last block (the parallelogram of the
+  paper's Figure 4), for about twice 1f1b's activation memory.
+
+  The order is the one a list scheduler gives at equal block times: each
+  stage, whenever it is free, runs the block that can start first, a B
+  before an F before a W at the same moment (B is on the critical path,
+  W waits for nothing), and an F only while fewer than 2S - 1 micro-batches
+  are in flight (a micro-batch's activations are freed by its W)."""
+  name = "zb-h2"
+  splits_backward = True
+
+  def __init__(self):
+    self._orders = {}
+
+  @staticmethod
+  def in_flight_limit(stages, microbatches):
+    return min(2 * stages - 1, microbatches)
+
+  def order(self, stage, stages, microbatches):
+    key = (stages, microbatches)
+    if key not in self._orders:
+      self._orders[key] = self._list_schedule(stages, microbatches)
+    return list(self._orders[key][stage])
+
+  def _list_schedule(self, stages, m):
+    limit = self.in_flight_limit(stages, m)
+    free = [0] * stages              # when each stage is next free (unit block times)
+    done = {}                        # (kind, stage, j) -> finish time
+    count = {s: {"F": 0, "B": 0, "W": 0} for s in range(stages)}
+    orders = [[] for _ in range(stages)]
+    rank = {"B": 0, "F": 1, "W": 2}
+    for _ in range(3 * m * stages):
+      best = None
+      for s in range(stages):
+        c = count[s]
+        options = []
+        if c["B"] < c["F"]:
+          need = [("F", s, c["B"])] + ([("B", s + 1, c["B"])] if s < stages - 1 else [])
+          if all(n in done for n in need):
+            options.append((max([free[s]] + [done[n] for n in need]), rank["B"], "B"))
+        if c["F"] < m and c["F"] - c["W"] < limit:
+          need = [("F", s - 1, c["F"])] if s else []
+          if all(n in done for n in need):
+            options.append((max([free[s]] + [done[n] for n in need]), rank["F"], "F"))
+        if c["W"] < c["B"]:
+          options.append((free[s], rank["W"], "W"))
+        if options:
+          option = min(options)
+          if best is None or option[:2] < best[0][:2]:
+            best = (option, s)
+      (start, _, kind), s = best
+      j = count[s][kind]
+      free[s] = done[(kind, s, j)] = start + 1
+      count[s][kind] += 1
+      orders[s].append((kind, j))
+    return orders
+
+
+SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved,
+             "zb-h1": ZeroBubbleH1, "zb-h2": ZeroBubbleH2}
 # Marks the NoOp barriers a schedule adds. Runners give such graphs one
 # Grappler round (runtime.graph_function.grappler_config): a second round
 # re-associates ops across blocks once the first has pruned the edges that
 # data paths imply.
 SCHEDULE_BARRIER_ATTR = "_tfsplit_schedule_barrier"
+# The block kind ('F', 'B' or 'W') a barrier ends: its control inputs are
+# that block's members, which is how a trace tells W ops from B ops.
+SCHEDULE_BLOCK_ATTR = "_tfsplit_schedule_block"
 # Nodes that do no per-micro-batch work (and may not take control inputs that
 # force them to run, like a fed placeholder).
 _NOT_SCHEDULED = frozenset(["Placeholder", "VarHandleOp", "Const", "NoOp"])
@@ -173,8 +275,10 @@ def waiting_for_updates(graph, roles):
   return waiting
 
 
-def micro_batch_sets(graph_def, records, roles, mesh, after_update=(), chunk_of=None):
-  """{(device id, j, chunk): {'F_in': set, 'F_out': set, 'B_in': set, 'B_out': set}}.
+def micro_batch_sets(graph_def, records, roles, mesh, after_update=(), chunk_of=None,
+                     split_backward=False):
+  """{(device id, j, chunk): {'F_in': set, 'F_out': set, 'B_in': set, 'B_out': set}}
+  (and 'W', 'W_in', 'W_out' with split_backward).
 
   records: local node -> NodeRecord (original node, device id, shared: serves
   all micro-batches, not part of any one); roles: original node -> role, of
@@ -182,7 +286,8 @@ def micro_batch_sets(graph_def, records, roles, mesh, after_update=(), chunk_of=
   is outside every block); after_update: original nodes that wait for the
   optimizer's updates; chunk_of: original node -> model chunk (the pipeline
   pass's stage_of); without it (or for a node it lacks) a node's chunk is
-  its device's stage.
+  its device's stage. split_backward: tell each backward block's weight
+  gradients (W, graph.weight_gradients) from the rest (B).
   """
   after_update = set(after_update)
   chunk_of = chunk_of or {}
@@ -209,19 +314,27 @@ def micro_batch_sets(graph_def, records, roles, mesh, after_update=(), chunk_of=
     key_of[name] = (d, mesh.coord(d, mb) if mb in mesh.axes else 0, chunk, role)
   sets = collections.defaultdict(lambda: {"F_in": set(), "F_out": set(),
                                           "B_in": set(), "B_out": set(),
-                                          "F": set(), "B": set()})
+                                          "F": set(), "B": set(),
+                                          "W_in": set(), "W_out": set(), "W": set()})
   consumers = collections.defaultdict(set)
   for name, node in nodes.items():
     for text in node.input:
       if not text.startswith("^"):
         consumers[input_node(text)].add(name)
+  weights = ()
+  if split_backward:
+    weights = weight_gradient_nodes(
+        Graph(graph_def), {n for n, k in key_of.items() if k[3] == constants.BACKWARD},
+        key_of)
+  for name in weights:
+    key_of[name] = key_of[name][:3] + (constants.WEIGHT_GRADIENT_BLOCK,)
   for name, key in key_of.items():
     node = nodes[name]
     same = [key_of.get(input_node(t)) for t in node.input if not t.startswith("^")]
     has_same_input = any(k == key for k in same)
     has_same_consumer = any(key_of.get(c) == key for c in consumers[name])
     d, j, chunk, role = key
-    tag = constants.BLOCK_OF_ROLE[role]
+    tag = constants.BLOCK_OF_ROLE.get(role, role)
     sets[(d, j, chunk)][tag].add(name)
     if not has_same_input:
       sets[(d, j, chunk)][tag + "_in"].add(name)
@@ -263,6 +376,7 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
         node = graph_def.node.add(name=name, op="NoOp", device=nodes[members[0]].device,
                                   input=["^" + m for m in members])
         node.attr[SCHEDULE_BARRIER_ATTR].b = True
+        node.attr[SCHEDULE_BLOCK_ATTR].s = kind.encode()
         nodes[name] = node
         barriers[key] = name
     return barriers[key]
@@ -290,4 +404,17 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
         if "^" + name not in node.input:
           node.input.append("^" + name)
           added += 1
+  if schedule.splits_backward:
+    # Every W block gets its barrier, the last ones too (nothing waits for
+    # them): the barriers are the graph's record of which ops are W.
+    for d, j, chunk in sorted(sets):
+      barrier(d, j, chunk, constants.WEIGHT_GRADIENT_BLOCK)
+    try:
+      Graph(graph_def).topological_order()
+    except GraphValidationError as e:
+      # A W block waits for later B blocks; one that a B block needs (through
+      # an op the weight-gradient test let through) would close a cycle.
+      raise PlanError(f"the {schedule.name} schedule would make a cycle in this graph "
+                      f"({str(e)[:200]}): some weight gradient is needed by an input "
+                      "gradient; use schedule='1f1b' for this graph") from None
   return added

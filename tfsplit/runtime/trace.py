@@ -7,6 +7,7 @@ import os
 from tfsplit import constants
 from tfsplit.fileio import write_atomically
 from tfsplit.graph import Graph, load_graph
+from tfsplit.pipeline.schedules import SCHEDULE_BLOCK_ATTR
 from tfsplit.runtime import seeds
 from tfsplit.runtime.devices import ensure_logical_devices, required_devices
 from tfsplit.runtime.session import SessionRunner, seeded_values
@@ -75,8 +76,28 @@ def write_chrome_trace(events, path, labels=None):
   write_atomically(path, json.dumps(chrome_trace(events, labels)))
 
 
+def scheduled_kinds(graph_def):
+  """{node: 'F'|'B'|'W'} of the ops a schedule's barriers end, read from the
+  barriers' block attribute: the only record of which backward ops a
+  zero-bubble schedule ran as weight gradients (W)."""
+  kinds = {}
+  for node in graph_def.node:
+    if SCHEDULE_BLOCK_ATTR in node.attr:
+      kind = node.attr[SCHEDULE_BLOCK_ATTR].s.decode()
+      for text in node.input:
+        kinds[text.lstrip("^")] = kind
+  return kinds
+
+
+def _block_of(name, record, roles, kinds):
+  """'F', 'B' or 'W' (a zero-bubble schedule's weight gradients), or None."""
+  block = constants.BLOCK_OF_ROLE.get(roles.get(record.source))
+  return kinds.get(name, block) if block is not None else None
+
+
 def microbatch_blocks(events, roles, mesh, graph_def, chunk_of=None):
-  """{stage: [(('F'|'B', j), start, end)] sorted by start} from op events.
+  """{stage: [(('F'|'B'|'W', j), start, end)] sorted by start} from op events
+  (W: the weight gradients a zero-bubble schedule runs as blocks of their own).
 
   roles: original node -> role; mesh: the materialized mesh (with its 'mb'
   axis); graph_def: the rewritten graph, whose node records (stamped by the
@@ -90,6 +111,7 @@ def microbatch_blocks(events, roles, mesh, graph_def, chunk_of=None):
   """
   mb, pp = constants.MICROBATCH_AXIS, constants.PIPELINE_AXIS
   records = read_records(graph_def)
+  kinds = scheduled_kinds(graph_def)
   copies = {}
   for node in graph_def.node:
     record = records.get(node.name)
@@ -105,7 +127,7 @@ def microbatch_blocks(events, roles, mesh, graph_def, chunk_of=None):
       continue
     if record.source not in copies or (mb in mesh.axes and len(copies[record.source]) < 2):
       continue
-    block = constants.BLOCK_OF_ROLE.get(roles.get(record.source))
+    block = _block_of(name, record, roles, kinds)
     d = record.device_id
     if block is None or any(mesh.coord(d, a) != 0 for a in mesh.axis_names
                             if a not in (mb, pp)):
@@ -126,12 +148,14 @@ def microbatch_blocks(events, roles, mesh, graph_def, chunk_of=None):
 
 
 def microbatch_labels(events, roles, mesh, graph_def):
-  """{node: ('F'|'B', 'F3')} for the ops of forward/backward micro-batch work."""
+  """{node: ('F'|'B'|'W', 'F3')} for the ops of forward/backward micro-batch
+  work (W: weight gradients run as blocks of their own)."""
   mb = constants.MICROBATCH_AXIS
   records, labels = read_records(graph_def), {}
+  kinds = scheduled_kinds(graph_def)
   for _, name, _, _ in events:
     record = records.get(name)
-    block = constants.BLOCK_OF_ROLE.get(roles.get(record.source)) if record else None
+    block = _block_of(name, record, roles, kinds) if record else None
     if block is None or record.device_id >= mesh.size:
       continue
     j = mesh.coord(record.device_id, mb) if mb in mesh.axes else 0
