@@ -82,6 +82,10 @@ class LayerRow:
   experts: int = 0
   expert_params: int = 0
   expert_exchange: int = 0
+  # The share of `backward` that computes weight gradients (what the
+  # zero-bubble schedules run apart, after the input gradients): a dense
+  # layer's weight-gradient MatMul costs what its input-gradient one does.
+  weight_share: float = 0.5
 
   def __post_init__(self):
     if self.tp_split is None:
@@ -236,6 +240,28 @@ def global_batch(graph, shapes):
   return batch
 
 
+def _weight_shares(analysis, report, owner, count):
+  """Per model layer: the share of its backward FLOPs that compute weight
+  gradients (graph.weight_gradients; 0.5 for a layer without backward FLOPs)."""
+  from tfsplit import constants  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import flops as flops_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.weight_gradients import weight_gradient_nodes  # pylint: disable=import-outside-toplevel
+  graph, roles = analysis.graph, analysis.roles
+  backward = {n for n, r in roles.items() if r == constants.BACKWARD}
+  in_blocks = {n for n, r in roles.items() if r in (constants.FORWARD, constants.BACKWARD)}
+  weights = weight_gradient_nodes(graph, backward, in_blocks)
+  totals = [[0.0, 0.0] for _ in range(count)]
+  for layer in report.layers:
+    if layer.name not in owner:
+      continue
+    for name in layer.backward:
+      node = graph.node(name)
+      f = 0 if node.op in flops_lib.ZERO_FLOP_OPS else flops_lib.op_flops(node, analysis.shapes)
+      totals[owner[layer.name]][0] += f if name in weights else 0
+      totals[owner[layer.name]][1] += f
+  return [w / t if t else 0.5 for w, t in totals]
+
+
 def from_analysis(analysis, cost_model, source=None):
   """The ModelProfile of a training step (an Analysis of its GraphDef) with
   times from `cost_model` (a tfsplit.cost.op_cost.CostModel) on device 0."""
@@ -326,6 +352,7 @@ def from_analysis(analysis, cost_model, source=None):
       tp_collectives[owner[layer.name]] += sum(all_reduces.get(n, 0) for n in layer.forward)
       split_by_preset[owner[layer.name]] |= any(n in all_reduces for n in layer.forward)
   experts = _expert_rows(analysis, model)
+  weight_share = _weight_shares(analysis, report, owner, len(model))
   rows = []
   for k, layer in enumerate(model):
     flops = layer.forward_flops + layer.backward_flops
@@ -344,7 +371,7 @@ def from_analysis(analysis, cost_model, source=None):
         input_bytes=cuts[k - 1] if k > 0 else 0, splittable=layer.block,
         tp_split=layer.block or split_by_preset[k],
         max_tp=_max_tp(_dims_gcd(var_shape.get(v) for v in layer.variables)),
-        **experts.get(k, {})))
+        weight_share=weight_share[k], **experts.get(k, {})))
   shared = [l for l in report.layers if not l.variables]
   _, other, other_ops = parts([n for l in shared for n in l.update])
   table = cost_model.table
@@ -465,7 +492,11 @@ def synthetic_gpt(blocks=96, hidden=12288, seq_len=2048, batch=1536, vocab=51200
   rows = [row("embed", vocab * hidden + seq_len * hidden, 0, 0, 0, False)]
   rows[0] = dataclasses.replace(rows[0], forward=stream / memory_bandwidth,
                                 backward=2 * stream / memory_bandwidth)
-  rows += [row(f"block_{i}", block_params, block_flops, block_acts, stream, True, **moe)
+  # The weight matmuls' FLOPs again for their weight gradients; attention's
+  # score and value products (4 s^2 b h) have input gradients only.
+  block_weight_share = (block_flops - 4 * sbh * seq_len) / (2 * block_flops)
+  rows += [row(f"block_{i}", block_params, block_flops, block_acts, stream, True,
+               weight_share=block_weight_share, **moe)
            for i in range(blocks)]
   head_flops = 2 * seq_len * batch * hidden * vocab
   rows.append(row("head", hidden * vocab, head_flops,

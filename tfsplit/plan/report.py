@@ -69,6 +69,7 @@ def reasons(result, costing):
                  "micro-batches (each costs per-op overhead on a real machine), for "
                  f"{format_bytes(best.memory - second.memory)} more memory per device")
   out += _expert_reasons(result, costing)
+  out += _schedule_reasons(result)
   if c.replicate:
     names = ", ".join(profile.layers[i].name for i in c.replicate)
     out.append(f"replicates {names} over tp instead of splitting: each block's "
@@ -82,6 +83,34 @@ def reasons(result, costing):
                f"{format_time(max(best.stage_time))} per micro-batch, bubble "
                f"{100 * best.bubble:.1f}%")
   return out
+
+
+def _schedule_reasons(result):
+  """Of a pipelined winner: its schedule against the fastest fitting plan
+  of each other schedule (1f1b and the zero-bubble ones)."""
+  best = result.best
+  c = best.candidate
+  if c.pp == 1 or not result.best_by_schedule:
+    return []
+  what = {"1f1b": "1f1b (each backward whole, at most S - s micro-batches in flight)",
+          "zb-h1": "zb-h1 (weight gradients moved into the bubble, 1f1b's peak "
+                   "micro-batches on every stage)",
+          "zb-h2": "zb-h2 (forwards run ahead to fill the warm-up, weight gradients the "
+                   "drain, up to 2S - 1 micro-batches in flight)"}
+  others = []
+  for name in ("1f1b", "zb-h1", "zb-h2"):
+    other = result.best_by_schedule.get(name)
+    if name == c.schedule:
+      continue
+    if other is None:
+      others.append(f"no {name} plan fits")
+    else:
+      others.append(f"the fastest {name} plan, {other.label()}, takes "
+                    f"{format_time(other.step_time)} ({_pct(other.step_time, best.step_time)} "
+                    f"slower), bubble {100 * other.bubble:.1f}%, "
+                    f"{format_bytes(other.memory)} per device")
+  return [f"runs {what.get(c.schedule, c.schedule)}: bubble {100 * best.bubble:.1f}%, "
+          f"{format_bytes(best.memory)} per device; " + "; ".join(others)]
 
 
 def _expert_reasons(result, costing):

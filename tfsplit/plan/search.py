@@ -64,6 +64,9 @@ class SearchResult:
   # Of a model with experts: the fastest fitting plan priced with and
   # without an ep axis ({True: ..., False: ...}; why ep did or did not win).
   best_by_ep: dict = dataclasses.field(default_factory=dict)
+  # Of the pipelined plans that fit: the fastest per schedule (why the
+  # winner's schedule, and not 1f1b or a zero-bubble one).
+  best_by_schedule: dict = dataclasses.field(default_factory=dict)
 
   @property
   def usable(self):
@@ -348,7 +351,7 @@ class Planner(object):
                       f"{self.profile.batch} does not divide over the data-parallel sizes "
                       f"and the {len(self.profile.layers)} layers cannot fill the pipeline; "
                       "use fewer devices or a larger batch")
-    fitting, smallest, fastest, by_ep = [], None, None, {}
+    fitting, smallest, fastest, by_ep, by_schedule = [], None, None, {}, {}
     kept = []  # step times of the fastest fitting candidates so far (3 x top)
     fit = {}   # (candidate without recompute, recompute) -> whether it fits
     for done, mesh in enumerate(meshes):
@@ -382,6 +385,10 @@ class Planner(object):
             split = est.candidate.ep > 1
             if split not in by_ep or _rank(est) < _rank(by_ep[split]):
               by_ep[split] = est
+            sched = est.candidate.schedule
+            if est.candidate.pp > 1 and (sched not in by_schedule or
+                                         _rank(est) < _rank(by_schedule[sched])):
+              by_schedule[sched] = est
             fitting.append(est)
             bisect.insort(kept, est.step_time)
             del kept[3 * top:]
@@ -399,7 +406,8 @@ class Planner(object):
                         seconds=time.perf_counter() - t0, devices=self.devices,
                         device_memory=self.cap, costing=self.costing,
                         reserve=self.reserve,
-                        best_by_ep=by_ep if self.profile.experts else {})
+                        best_by_ep=by_ep if self.profile.experts else {},
+                        best_by_schedule=by_schedule)
 
   def exhaustive(self):
     """The fastest fitting Estimate over every candidate, every cut, every

@@ -4,8 +4,8 @@ A Candidate is one way to run the step on N devices: a mesh dp x ep x tp x
 pp (laid out pp-major, tp fastest: a tensor-parallel group is tp consecutive
 devices, inside one host when tp divides the host; ep only for a model
 with experts), m micro-batches, a
-pipeline schedule (gpipe, 1f1b, or interleaved over v model chunks per
-stage), recomputation of the repeated blocks, and optimizer-state sharding
+pipeline schedule (gpipe, 1f1b, interleaved over v model chunks per
+stage, or the zero-bubble zb-h1 and zb-h2), recomputation of the repeated blocks, and optimizer-state sharding
 over dp. The stage cut (which layers each chunk runs) is chosen by the
 search (search.py); `Costing.evaluate` prices a candidate with its cut.
 
@@ -22,7 +22,14 @@ cuts and their gradients back. With stage costs c_s the pipeline takes
   S = 1         m c_0
   gpipe, 1f1b   (m - 1) max c + sum c       ((m + S - 1) c on equal stages)
   interleaved   m max c + (sum c - max c) / v     ((m + (S - 1) / v) c)
+  zb-h1, zb-h2  m max c + sum g - g of the slowest stage (+ (S - m) W of it
+                when m < S)
 
+with c = F + B + W (W: the weight-gradient share of B, LayerRow.weight_share)
+and a zero-bubble stage's fill and drain g = max(F, B, F + B - W) for zb-h1,
+max(F, F + B - 2 W) for zb-h2 with m >= 2S - 1 (zb-h1's below): what the
+event simulator gives on equal stages for m >= S, (S - 1)(F + B - W) and
+(S - 1) F at equal F, B and W (fewer micro-batches: at most that)
 (the bubbles of tfsplit.cost.pipeline_sim), then the gradient all-reduce
 over dp (reduce-scatter + all-gather with ZeRO: the same bytes), one per
 25 MiB bucket, the optimizer update (1/dp of it with ZeRO) and, with a
@@ -55,7 +62,9 @@ Per device of stage s: weights and gradients of its layers (1/tp of a
 split layer's), optimizer state (also 1/dp with ZeRO), and the activations
 of the micro-batches in flight, counted as the schedule keeps them
 (pipeline_sim.theoretical_peak_activations: m for gpipe, S - s for 1f1b,
-chunk activations for interleaved; 1 without a pipeline); a recomputed
+chunk activations for interleaved, min(S, m) for zb-h1 and up to 2S - 1 for
+zb-h2 on every stage, a micro-batch's activations counted whole until its
+weight gradients have run; 1 without a pipeline); a recomputed
 block keeps only its input, plus one block's activations while it is
 recomputed. recompute='stages' recomputes the blocks of the stages that
 would not fit otherwise, and only theirs.
@@ -89,7 +98,7 @@ from typing import List, Optional, Tuple
 
 import numpy as np
 
-from tfsplit.constants import DEFAULT_BUCKET_BYTES
+from tfsplit.constants import DEFAULT_BUCKET_BYTES, PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 from tfsplit.cost import collectives
 from tfsplit.cost.cluster import Link
 from tfsplit.cost.pipeline_sim import theoretical_peak_activations
@@ -97,7 +106,7 @@ from tfsplit.cost.pipeline_sim import theoretical_peak_activations
 # 'stages': the blocks of the pipeline stages that would not fit without it
 # (1f1b keeps S - s micro-batches on stage s: the first stages need it most).
 RECOMPUTE = ("none", "blocks", "stages")
-SCHEDULES = ("1f1b", "gpipe", "interleaved")
+SCHEDULES = PIPELINE_SCHEDULES
 VIRTUAL_STAGES = (2, 4)
 # Offload prices a device's host with these (cluster specs describe the
 # devices and their links to each other only): a PCIe 4.0 x16 link's
@@ -236,6 +245,7 @@ def candidates_of(mesh, profile, max_microbatches=None):
     scheds = [("1f1b", 1)]
     if pp > 1:
       scheds.append(("gpipe", 1))
+      scheds += [(z, 1) for z in ZERO_BUBBLE_SCHEDULES]
       scheds += [("interleaved", v) for v in VIRTUAL_STAGES
                  if m % pp == 0 and pp * v <= n]
     for rc in rcs:
@@ -260,6 +270,7 @@ class Costing(object):
     col = lambda key: np.array([float(getattr(r, key)) for r in rows])  # pylint: disable=unnecessary-lambda-assignment
     self.fwd, self.bwd, self.upd = col("forward"), col("backward"), col("update")
     self.fwd_fixed, self.bwd_fixed = col("forward_fixed"), col("backward_fixed")
+    self.weight_share = col("weight_share")
     self.upd_fixed, self.variables = col("update_fixed"), col("variables")
     self.fwd_ops, self.bwd_ops, self.upd_ops = (col("forward_ops"), col("backward_ops"),
                                                 col("update_ops"))
@@ -500,10 +511,21 @@ class Costing(object):
     stage_again = np.zeros(S)
     np.maximum.at(stage_again, chunk_stage, again)
     top, total = float(stage_cost.max()), float(stage_cost.sum())
+    # What the stages other than the slowest add to m of its micro-batches:
+    # their whole c under gpipe and 1f1b, their fill and drain g under the
+    # zero-bubble schedules.
+    rest = total - top
+    if S > 1 and c.schedule in ZERO_BUBBLE_SCHEDULES:
+      fill_drain, weights = self.zero_bubble_fill(c, stage_cost, per_chunk, per_stage)
+      slowest = int(np.argmax(stage_cost))
+      # Fewer micro-batches than stages leave S - m of the slowest stage's
+      # W blocks after its last B (nothing to hide them behind).
+      rest = float(fill_drain.sum() - fill_drain[slowest] +
+                   max(0, S - m) * weights[slowest])
     if S == 1:
       pipe = m * total
     elif v == 1:
-      pipe = (m - 1) * top + total
+      pipe = m * top + rest
     else:
       pipe = m * top + (total - top) / v
     bubble = 1.0 - m * total / (S * pipe) if S > 1 and pipe > 0 else 0.0
@@ -513,7 +535,7 @@ class Costing(object):
       # fill and drain; the schedule's bubble is the same.
       steady = self.shared_slowdown(min(S, m) * c.replicas * c.tp, fb)
       fill = self.shared_slowdown(c.replicas * c.tp, fb)
-      pipe = ((m - 1) * top * steady + total * fill if v == 1 else
+      pipe = ((m - 1) * top * steady + (top + rest) * fill if v == 1 else
               m * top * steady + (total - top) / v * fill)
     # Per stage: its gradients' all-reduce over dp, one per bucket, and
     # the non-expert gradients' over ep (each ep rank owns its experts).
@@ -539,6 +561,22 @@ class Costing(object):
                     update_time=update, bubble=bubble,
                     stage_memory=[int(x) for x in memory],
                     stage_time=[float(x) for x in stage_cost], recomputed=recomputed)
+
+  def zero_bubble_fill(self, c, stage_cost, per_chunk, per_stage):
+    """(g, W) per stage under a zero-bubble schedule: the seconds each
+    stage adds to the step as fill and drain (the module doc's g) and its
+    weight gradients' seconds per micro-batch (weight_share of the
+    backward's scaling part, out of the critical path). zb-h2 gets its
+    lower g only with 2S - 1 micro-batches to run ahead; with fewer it is
+    priced as zb-h1 (the simulator's zb-h2 is no slower)."""
+    f, b = self.layer_times(c)
+    frac = 1.0 / (c.replicas * c.microbatches)
+    w = np.minimum(self.bwd * frac / self.tp_divisor(c) * self.weight_share, b)
+    F, W = per_stage(per_chunk(f)), per_stage(per_chunk(w))
+    B = stage_cost - F - W  # the input gradients and the stage's transfers
+    if c.schedule == "zb-h2" and c.microbatches >= 2 * c.pp - 1:
+      return np.maximum(F, F + B - 2 * W), W
+    return np.maximum(np.maximum(F, B), F + B - W), W
 
   def _gradient_sync(self, n, grads, link):
     """Seconds per stage of all-reducing `grads` bytes per stage (an array)
