@@ -32,7 +32,7 @@ _PRESETS = ", ".join(cluster_lib.preset_names())
 _ACTIVATION = ("activations", "layers", "hidden", "seq-len", "heads", "micro-batch",
                "recompute")
 _PIPELINE = ("stages", "microbatches", "schedule", "forward-ms", "backward-ms", "p2p-ms",
-             "activation-size", "trace", "gantt", "virtual-stages")
+             "activation-size", "trace", "gantt", "virtual-stages", "weight-fraction")
 _GRAPH = ("cluster", "devices", "calibration", "place-layers", "trace", "gantt")
 
 
@@ -74,6 +74,9 @@ def define_flags(fv):
     lower_bound=0.0, flag_values=fv)
   f("backward-ms", 2.0, "Backward time of one micro-batch on one stage, ms.",
     lower_bound=0.0, flag_values=fv)
+  f("weight-fraction", 0.5, "Share of --backward-ms that computes weight gradients "
+    "(the W blocks --schedule zb-h1 / zb-h2 run apart; 0.5: a dense layer's).",
+    lower_bound=0.0, upper_bound=1.0, flag_values=fv)
   f("p2p-ms", 0.0, "Send time of an activation or gradient between neighbouring "
     "stages, ms.", lower_bound=0.0, flag_values=fv)
   s("activation-size", None, "Activation bytes one micro-batch leaves on a stage (e.g. "

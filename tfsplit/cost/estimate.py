@@ -5,6 +5,7 @@ Each returns (the dict `--format json` prints, text lines), after writing the
 simulated schedule as a Chrome trace and/or a PNG Gantt chart when asked.
 Graph mode imports TensorFlow; the uniform pipeline does not.
 """
+from tfsplit import constants
 from tfsplit import units
 from tfsplit.cost import cluster as cluster_lib
 from tfsplit.cost import output
@@ -19,13 +20,15 @@ def _wrote(written):
 
 def uniform_pipeline(stages, microbatches, schedule="1f1b", forward_ms=1.0,
                      backward_ms=2.0, p2p_ms=0.0, activation_size=None,
-                     trace=None, gantt=None, virtual_stages=1):
+                     trace=None, gantt=None, virtual_stages=1,
+                     weight_fraction=pipeline_sim.DEFAULT_WEIGHT_FRACTION):
   """Simulates `schedule` over `stages` equal stages and `microbatches`
   micro-batches (times of one micro-batch on one stage, in ms).
 
   activation_size: bytes one micro-batch leaves on a stage (e.g. '2GB'), to
   report peak memory per stage. virtual_stages: model chunks per stage
-  (the interleaved schedule's v).
+  (the interleaved schedule's v). weight_fraction: the share of the
+  backward that is weight gradients (the zero-bubble schedules' W).
   """
   if forward_ms <= 0 or backward_ms <= 0:
     raise EstimateError("--forward-ms and --backward-ms must be > 0")
@@ -36,7 +39,7 @@ def uniform_pipeline(stages, microbatches, schedule="1f1b", forward_ms=1.0,
       backward_time=backward_ms / 1e3, p2p_time=p2p_ms / 1e3,
       activation_bytes=units.parse_bytes(activation_size) if activation_size else
       virtual_stages,  # one byte per chunk: peak activations are counted
-      chunks=virtual_stages)
+      chunks=virtual_stages, weight_fraction=weight_fraction)
   written = output.write_schedule(res.sim, trace, gantt, title=(
       f"{res.schedule}: S={res.stages}, m={res.microbatches}, bubble "
       f"{100 * res.bubble_fraction:.1f}%"))
@@ -52,11 +55,20 @@ def pipeline_lines(res, with_memory=False):
   formula = "(S-1)/(m+S-1)" if v == 1 else "(S-1)/(vm+S-1)"
   lines = [f"pipeline {res.schedule}: S = {S} stages, m = {m} micro-batches" +
            (f", v = {v} model chunks per stage (activations counted per chunk)"
-            if v > 1 else ""),
-           f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
-           f"{100 * res.bubble_fraction:.2f}% (uniform-stage theory "
-           f"{formula} = {100 * bubble:.2f}%); communication "
-           f"{sim.comm_time * 1e3:.4g} ms"]
+            if v > 1 else "")]
+  if res.schedule in constants.ZERO_BUBBLE_SCHEDULES:
+    # No closed form for every F : B : W; the 1f1b formula is what it beats.
+    lines.append(f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
+                 f"{100 * res.bubble_fraction:.2f}% (1f1b's on uniform stages {formula} = "
+                 f"{100 * bubble:.2f}%); the most idle stage waits "
+                 f"{res.bubble_time * 1e3:.4g} ms in the step, "
+                 f"{res.steady_bubble_time * 1e3:.4g} ms between its first and last "
+                 f"block (steady bubble); communication {sim.comm_time * 1e3:.4g} ms")
+  else:
+    lines.append(f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
+                 f"{100 * res.bubble_fraction:.2f}% (uniform-stage theory "
+                 f"{formula} = {100 * bubble:.2f}%); communication "
+                 f"{sim.comm_time * 1e3:.4g} ms")
   header = ["stage", "busy ms", "idle ms", "bubble", "peak activations",
             "theory"] + (["peak memory"] if with_memory else [])
   rows = [[str(s), f"{sim.busy[s] * 1e3:.4g}",

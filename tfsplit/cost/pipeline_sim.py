@@ -320,7 +320,8 @@ def simulate_pipeline(stages, microbatches, schedule="1f1b", forward_time=1.0,
   for d in devices:
     tasks = [t for t, r in enumerate(g.resources) if r == d]
     span = max(sim.end[t] for t in tasks) - min(sim.start[t] for t in tasks)
-    span_idle.append(max(0.0, span - sim.busy[d]))
+    idle = span - sim.busy[d]
+    span_idle.append(idle if idle > 1e-9 * span else 0.0)  # not float round-off
   peak_memory = [sim.peak_memory[d] for d in devices]
   unit = _chunk_bytes(activation_bytes, chunks)
   peak_acts = [(p - static_bytes) // unit if unit else 0 for p in peak_memory]
