@@ -7,14 +7,11 @@ import json
 import os
 
 import pytest
-import tensorflow as tf
 
-import tfsplit
 from tfsplit.cli import run
 from tfsplit.cost import pipeline_sim
 from tfsplit.errors import PlanError
-from tfsplit.graph import Graph, load_graph
-from tfsplit.graph.layers import detect_layers
+from tfsplit.graph import load_graph
 from tfsplit.passes import split_graph
 from tfsplit.pipeline import schedules
 from tfsplit.plan import profile as profile_lib
@@ -25,7 +22,8 @@ from tfsplit.runtime import trace as trace_lib
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding.builder import read_records
 
-from _util import TIMEOUT, check_training, example, names
+from _util import check_training, example, names
+from test_schedule_trace import _block_orders, _split
 
 BATCH = 16
 ZB = ("zb-h1", "zb-h2")
@@ -151,28 +149,11 @@ def test_corpus_model_trains_exactly(name, schedule, mesh, size):
   assert "W" in kinds.values() and "B" in kinds.values()
 
 
-def _split(schedule, stages=2, m=4):
-  ex = example("gpt_raw", batch_size=BATCH)
-  return ex, tfsplit.split(ex.train_step, mesh=f"pp={stages}", microbatches=m,
-                           schedule=schedule, input_signature=ex.train_signature,
-                           variable_names=names(ex), timeout_seconds=TIMEOUT)
-
-
-def _block_orders(ex, step, m):
-  inputs = [tf.constant(x) for x in ex.make_inputs("train", seed=1)]
-  step(*inputs)  # instantiation and Grappler stay out of the trace
-  _, events = step.trace(*inputs)
-  roles = detect_layers(Graph(step.original_graph_def)).block_roles()
-  blocks = trace_lib.microbatch_blocks(events, roles, step.mesh.with_microbatches(m),
-                                       step.graph_def)
-  return {stage: [b[0] for b in seq] for stage, seq in blocks.items()}
-
-
 @pytest.mark.parametrize("schedule", ZB)
 def test_split_step_trace_follows_the_schedule(schedule):
   """A real step's W ops run as their own blocks, where the order puts
   them: after later micro-batches' B blocks (what 1f1b leaves idle)."""
-  ex, step = _split(schedule)
+  ex, step = _split(schedule, 2, 4)
   orders = _block_orders(ex, step, 4)
   assert sorted(orders) == [0, 1]
   for stage, seq in orders.items():

@@ -37,6 +37,10 @@ WEIGHT_GRADIENT_BLOCK = "W"
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zb-h1", "zb-h2")
 # Schedules that order B and W blocks apart.
 ZERO_BUBBLE_SCHEDULES = ("zb-h1", "zb-h2")
+# The share of a backward that computes weight gradients where nothing
+# better is known: a dense layer's weight-gradient MatMul costs what its
+# input-gradient one does.
+DEFAULT_WEIGHT_FRACTION = 0.5
 
 # --- op families ------------------------------------------------------------------
 ASSIGN_OPS = frozenset(["AssignVariableOp", "AssignAddVariableOp", "AssignSubVariableOp"])

@@ -74,7 +74,7 @@ def define_flags(fv):
     lower_bound=0.0, flag_values=fv)
   f("backward-ms", 2.0, "Backward time of one micro-batch on one stage, ms.",
     lower_bound=0.0, flag_values=fv)
-  f("weight-fraction", 0.5, "Share of --backward-ms that computes weight gradients "
+  f("weight-fraction", constants.DEFAULT_WEIGHT_FRACTION, "Share of --backward-ms that computes weight gradients "
     "(the W blocks --schedule zb-h1 / zb-h2 run apart; 0.5: a dense layer's).",
     lower_bound=0.0, upper_bound=1.0, flag_values=fv)
   f("p2p-ms", 0.0, "Send time of an activation or gradient between neighbouring "

@@ -56,19 +56,17 @@ def pipeline_lines(res, with_memory=False):
   lines = [f"pipeline {res.schedule}: S = {S} stages, m = {m} micro-batches" +
            (f", v = {v} model chunks per stage (activations counted per chunk)"
             if v > 1 else "")]
+  theory = f"uniform-stage theory {formula} = {100 * bubble:.2f}%"
+  waits = ""
   if res.schedule in constants.ZERO_BUBBLE_SCHEDULES:
     # No closed form for every F : B : W; the 1f1b formula is what it beats.
-    lines.append(f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
-                 f"{100 * res.bubble_fraction:.2f}% (1f1b's on uniform stages {formula} = "
-                 f"{100 * bubble:.2f}%); the most idle stage waits "
-                 f"{res.bubble_time * 1e3:.4g} ms in the step, "
-                 f"{res.steady_bubble_time * 1e3:.4g} ms between its first and last "
-                 f"block (steady bubble); communication {sim.comm_time * 1e3:.4g} ms")
-  else:
-    lines.append(f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
-                 f"{100 * res.bubble_fraction:.2f}% (uniform-stage theory "
-                 f"{formula} = {100 * bubble:.2f}%); communication "
-                 f"{sim.comm_time * 1e3:.4g} ms")
+    theory = f"1f1b's on uniform stages {formula} = {100 * bubble:.2f}%"
+    waits = (f"; the most idle stage waits {res.bubble_time * 1e3:.4g} ms in the step, "
+             f"{res.steady_bubble_time * 1e3:.4g} ms between its first and last "
+             "block (steady bubble)")
+  lines.append(f"  step time {sim.step_time * 1e3:.4g} ms; bubble "
+               f"{100 * res.bubble_fraction:.2f}% ({theory}){waits}; communication "
+               f"{sim.comm_time * 1e3:.4g} ms")
   header = ["stage", "busy ms", "idle ms", "bubble", "peak activations",
             "theory"] + (["peak memory"] if with_memory else [])
   rows = [[str(s), f"{sim.busy[s] * 1e3:.4g}",

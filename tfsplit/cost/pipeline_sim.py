@@ -41,9 +41,7 @@ from tfsplit.cost.simulator import TaskGraph
 from tfsplit.errors import PlanError
 
 SCHEDULES = constants.PIPELINE_SCHEDULES
-# A dense layer's weight-gradient MatMul costs what its input-gradient one
-# does: half the backward.
-DEFAULT_WEIGHT_FRACTION = 0.5
+DEFAULT_WEIGHT_FRACTION = constants.DEFAULT_WEIGHT_FRACTION
 
 
 def theoretical_bubble(stages, microbatches, chunks=1):

@@ -37,6 +37,7 @@ Blocks are (kind, micro-batch, chunk), the chunk counted on the stage
 schedules have one chunk and give their order as (kind, micro-batch).
 """
 import collections
+import functools
 
 from tfsplit import constants
 from tfsplit.errors import GraphValidationError, PlanError
@@ -185,51 +186,48 @@ class ZeroBubbleH2(Schedule):
   name = "zb-h2"
   splits_backward = True
 
-  def __init__(self):
-    self._orders = {}
-
   @staticmethod
   def in_flight_limit(stages, microbatches):
     return min(2 * stages - 1, microbatches)
 
   def order(self, stage, stages, microbatches):
-    key = (stages, microbatches)
-    if key not in self._orders:
-      self._orders[key] = self._list_schedule(stages, microbatches)
-    return list(self._orders[key][stage])
+    return list(_list_schedule(stages, microbatches,
+                               self.in_flight_limit(stages, microbatches))[stage])
 
-  def _list_schedule(self, stages, m):
-    limit = self.in_flight_limit(stages, m)
-    free = [0] * stages              # when each stage is next free (unit block times)
-    done = {}                        # (kind, stage, j) -> finish time
-    count = {s: {"F": 0, "B": 0, "W": 0} for s in range(stages)}
-    orders = [[] for _ in range(stages)]
-    rank = {"B": 0, "F": 1, "W": 2}
-    for _ in range(3 * m * stages):
-      best = None
-      for s in range(stages):
-        c = count[s]
-        options = []
-        if c["B"] < c["F"]:
-          need = [("F", s, c["B"])] + ([("B", s + 1, c["B"])] if s < stages - 1 else [])
-          if all(n in done for n in need):
-            options.append((max([free[s]] + [done[n] for n in need]), rank["B"], "B"))
-        if c["F"] < m and c["F"] - c["W"] < limit:
-          need = [("F", s - 1, c["F"])] if s else []
-          if all(n in done for n in need):
-            options.append((max([free[s]] + [done[n] for n in need]), rank["F"], "F"))
-        if c["W"] < c["B"]:
-          options.append((free[s], rank["W"], "W"))
-        if options:
-          option = min(options)
-          if best is None or option[:2] < best[0][:2]:
-            best = (option, s)
-      (start, _, kind), s = best
-      j = count[s][kind]
-      free[s] = done[(kind, s, j)] = start + 1
-      count[s][kind] += 1
-      orders[s].append((kind, j))
-    return orders
+
+@functools.lru_cache(maxsize=64)
+def _list_schedule(stages, m, limit):
+  """ZB-H2's per-stage orders (tuples) at unit block times; see ZeroBubbleH2."""
+  free = [0] * stages              # when each stage is next free (unit block times)
+  done = {}                        # (kind, stage, j) -> finish time
+  count = {s: {"F": 0, "B": 0, "W": 0} for s in range(stages)}
+  orders = [[] for _ in range(stages)]
+  rank = {"B": 0, "F": 1, "W": 2}
+  for _ in range(3 * m * stages):
+    best = None
+    for s in range(stages):
+      c = count[s]
+      options = []
+      if c["B"] < c["F"]:
+        need = [("F", s, c["B"])] + ([("B", s + 1, c["B"])] if s < stages - 1 else [])
+        if all(n in done for n in need):
+          options.append((max([free[s]] + [done[n] for n in need]), rank["B"], "B"))
+      if c["F"] < m and c["F"] - c["W"] < limit:
+        need = [("F", s - 1, c["F"])] if s else []
+        if all(n in done for n in need):
+          options.append((max([free[s]] + [done[n] for n in need]), rank["F"], "F"))
+      if c["W"] < c["B"]:
+        options.append((free[s], rank["W"], "W"))
+      if options:
+        option = min(options)
+        if best is None or option[:2] < best[0][:2]:
+          best = (option, s)
+    (start, _, kind), s = best
+    j = count[s][kind]
+    free[s] = done[(kind, s, j)] = start + 1
+    count[s][kind] += 1
+    orders[s].append((kind, j))
+  return tuple(tuple(o) for o in orders)
 
 
 SCHEDULES = {"gpipe": GPipe, "1f1b": OneFOneB, "interleaved": Interleaved,

@@ -39,6 +39,7 @@ import dataclasses
 import math
 from typing import List, Optional
 
+from tfsplit import constants
 from tfsplit.errors import PlanError
 
 
@@ -83,9 +84,8 @@ class LayerRow:
   expert_params: int = 0
   expert_exchange: int = 0
   # The share of `backward` that computes weight gradients (what the
-  # zero-bubble schedules run apart, after the input gradients): a dense
-  # layer's weight-gradient MatMul costs what its input-gradient one does.
-  weight_share: float = 0.5
+  # zero-bubble schedules run apart, after the input gradients).
+  weight_share: float = constants.DEFAULT_WEIGHT_FRACTION
 
   def __post_init__(self):
     if self.tp_split is None:
@@ -242,8 +242,8 @@ def global_batch(graph, shapes):
 
 def _weight_shares(analysis, report, owner, count):
   """Per model layer: the share of its backward FLOPs that compute weight
-  gradients (graph.weight_gradients; 0.5 for a layer without backward FLOPs)."""
-  from tfsplit import constants  # pylint: disable=import-outside-toplevel
+  gradients (graph.weight_gradients; the default share for a layer without
+  backward FLOPs)."""
   from tfsplit.graph import flops as flops_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.graph.weight_gradients import weight_gradient_nodes  # pylint: disable=import-outside-toplevel
   graph, roles = analysis.graph, analysis.roles
@@ -259,7 +259,7 @@ def _weight_shares(analysis, report, owner, count):
       f = 0 if node.op in flops_lib.ZERO_FLOP_OPS else flops_lib.op_flops(node, analysis.shapes)
       totals[owner[layer.name]][0] += f if name in weights else 0
       totals[owner[layer.name]][1] += f
-  return [w / t if t else 0.5 for w, t in totals]
+  return [w / t if t else constants.DEFAULT_WEIGHT_FRACTION for w, t in totals]
 
 
 def from_analysis(analysis, cost_model, source=None):
