@@ -68,10 +68,13 @@ def test_orders_run_every_block_once(name, stages, m):
   assert _runs(orders, stages)
   assert not _runs([list(reversed(o)) for o in orders], stages)  # the check bites
   peaks = pipeline_sim.theoretical_peak_activations(name, stages, m)
-  if name == "zb-h1":
-    assert peaks == [min(stages, m)] * stages
-  else:
-    assert max(peaks) == min(2 * stages - 1, m)
+  assert peaks == [min(stages, m) if name == "zb-h1" else min(2 * stages - 1, m)] * stages
+  for seq, peak in zip(orders, peaks):  # micro-batches between an F and its W
+    live = most = 0
+    for kind, _ in seq:
+      live += {"F": 1, "W": -1}.get(kind, 0)
+      most = max(most, live)
+    assert most == peak
 
 
 # The ZB-H1 order of the paper's Figure 3 for p = 4 (0-based micro-batches):

@@ -53,6 +53,9 @@ def define_flags(fv):
   flags.DEFINE_string("calibration", None, "A cost table from 'tfsplit calibrate': "
                       "measured op times override the roofline.", flag_values=fv)
   flags.DEFINE_integer("top", 5, "Candidates to print.", lower_bound=1, flag_values=fv)
+  flags.DEFINE_list("schedules", None, "Pipeline schedules plans may use, e.g. "
+                    "1f1b,gpipe (default: all of 1f1b, gpipe, interleaved, zb-h1, zb-h2).",
+                    flag_values=fv)
   flags.DEFINE_integer("simulate", 0, "Also rewrite the best N candidates and simulate "
                        "each whole rewritten graph (tfsplit.cost.graph_sim): its step time "
                        "and peak memory per device beside the layer-level prediction.",
@@ -98,7 +101,8 @@ def run(fv, args):
   profile = plan_lib.profile_graph(graph_def, fv.devices, spec, fv.calibration, source)
   plan, result = plan_lib.plan_profile(profile, fv.devices, cap, spec, top=fv.top,
                                        progress=_progress(), max_tp=fv["max-tp"].value,
-                                       graph=source, memory_reserve=reserve)
+                                       graph=source, memory_reserve=reserve,
+                                       schedules=fv.schedules)
   lines = report_lib.lines(result, result.costing, source, spec.name, fv.top)
   if fv.simulate:
     simulated = simulate_top(graph_def, result.ranked[:fv.simulate], spec, profile,

@@ -58,13 +58,16 @@ def check_devices(devices):
 
 
 def plan_profile(profile, devices, device_memory=None, cluster=None, top=5,
-                 progress=None, max_tp=None, graph=None, memory_reserve=DEFAULT_RESERVE):
+                 progress=None, max_tp=None, graph=None, memory_reserve=DEFAULT_RESERVE,
+                 schedules=None):
   """(Plan, SearchResult) for a ModelProfile; PlanError if nothing fits.
-  memory_reserve: the fraction of device memory plans leave free."""
+  memory_reserve: the fraction of device memory plans leave free;
+  schedules: the pipeline schedules plans may use (default: all)."""
   check_devices(devices)
   spec = cluster_for(cluster, devices)
   cap = memory_cap(device_memory, spec)
-  planner = Planner(profile, spec, devices, cap, max_tp=max_tp, reserve=memory_reserve)
+  planner = Planner(profile, spec, devices, cap, max_tp=max_tp, reserve=memory_reserve,
+                    schedules=schedules)
   result = planner.search(top=top, progress=progress)
   if result.best is None:
     raise PlanError(no_plan_message(result, graph or profile.source or "the model"))

@@ -121,7 +121,8 @@ class Planner(object):
   device_memory * (1 - reserve)."""
 
   def __init__(self, profile, cluster, devices, device_memory=None, max_tp=None,
-               max_microbatches=None, host_size=None, bucket_bytes=None, reserve=0.0):
+               max_microbatches=None, host_size=None, bucket_bytes=None, reserve=0.0,
+               schedules=None):
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
       raise PlanError(f"the number of devices must be a positive integer, got {devices!r}")
     if cluster.num_devices < devices:
@@ -136,6 +137,12 @@ class Planner(object):
     self.device_memory = usable_memory(device_memory, reserve)   # what plans must fit
     self.max_tp = max_tp
     self.max_microbatches = max_microbatches
+    # The pipeline schedules plans may use (default: all of space.SCHEDULES).
+    self.schedules = tuple(schedules) if schedules is not None else space.SCHEDULES
+    unknown = [s for s in self.schedules if s not in space.SCHEDULES]
+    if unknown:
+      raise PlanError(f"unknown pipeline schedule '{unknown[0]}'; choose among: "
+                      f"{', '.join(space.SCHEDULES)}")
     self.host_size = host_size if host_size is not None else _host_size(cluster)
     self.costing = space.Costing(profile, cluster, bucket_bytes, self.device_memory)
     self._cuts = {}
@@ -355,7 +362,8 @@ class Planner(object):
     kept = []  # step times of the fastest fitting candidates so far (3 x top)
     fit = {}   # (candidate without recompute, recompute) -> whether it fits
     for done, mesh in enumerate(meshes):
-      for c in space.candidates_of(mesh, self.profile, self.max_microbatches):
+      for c in space.candidates_of(mesh, self.profile, self.max_microbatches,
+                                        self.schedules):
         if c.recompute == "stages":
           # Recomputing some stages fits only where recomputing every block
           # does (with the best cut under the cap).
@@ -424,7 +432,8 @@ class Planner(object):
     n = self.costing.n
     slower_host = self.costing.host_update_scale >= 1
     for mesh in self.meshes():
-      for base in space.candidates_of(mesh, self.profile, self.max_microbatches):
+      for base in space.candidates_of(mesh, self.profile, self.max_microbatches,
+                                        self.schedules):
         if best is not None and self.lower_bound(base) > best.step_time * (1 + 1e-6):
           continue
         for c in self._exhaustive_replicas(base):

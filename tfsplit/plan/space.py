@@ -233,8 +233,10 @@ def meshes(devices, profile, max_tp=None, host_size=None):
   return out
 
 
-def candidates_of(mesh, profile, max_microbatches=None):
-  """Every Candidate on one mesh (dp, tp, pp, ep)."""
+def candidates_of(mesh, profile, max_microbatches=None, schedules=SCHEDULES):
+  """Every Candidate on one mesh (dp, tp, pp, ep), with the pipeline
+  schedules among `schedules` (1f1b is always tried: without a pipeline it
+  is the plain step)."""
   dp, tp, pp, ep = mesh
   n = len(profile.layers)
   rcs = (RECOMPUTE if pp > 1 else RECOMPUTE[:2]) if profile.has_blocks else ("none",)
@@ -244,10 +246,10 @@ def candidates_of(mesh, profile, max_microbatches=None):
       break
     scheds = [("1f1b", 1)]
     if pp > 1:
-      scheds.append(("gpipe", 1))
-      scheds += [(z, 1) for z in ZERO_BUBBLE_SCHEDULES]
-      scheds += [("interleaved", v) for v in VIRTUAL_STAGES
-                 if m % pp == 0 and pp * v <= n]
+      scheds += [(s, 1) for s in ("gpipe",) + ZERO_BUBBLE_SCHEDULES if s in schedules]
+      if "interleaved" in schedules:
+        scheds += [("interleaved", v) for v in VIRTUAL_STAGES
+                   if m % pp == 0 and pp * v <= n]
     for rc in rcs:
       for schedule, v in scheds:
         if rc == "stages" and v > 1:  # a chunk per stage only
