@@ -139,3 +139,67 @@ def constraint_of(node):
   if node.op != "Identity" or CONSTRAINT_ATTR not in node.attr:
     return None
   return Sharding(tuple(s.decode() or None for s in node.attr[CONSTRAINT_ATTR].list.s))
+
+
+@dataclasses.dataclass(frozen=True)
+class Constraint:
+  """One sharding constraint to insert: node `name` (its scope gives its
+  role and layer) reads tensor `source` ((node, port)) and has sharding
+  `dims`; `readers` (node names) read it instead of the source (None: every
+  consumer). With `after` (node names) it reads the source through an
+  Identity that waits for them: its reshard is its own (collectives are
+  shared per tensor read) and runs after them, not when the source is
+  made (a gather for the backward pass kept out of the forward's memory)."""
+  name: str
+  source: Tuple[str, int]
+  dims: Tuple[Optional[str], ...]
+  readers: Optional[FrozenSet[str]] = None
+  after: Tuple[str, ...] = ()
+
+
+def insert_constraints(graph_def, graph, shapes, constraints):
+  """(GraphDef, known shapes) of `graph_def` (indexed as `graph`, shaped as
+  `shapes`) with each Constraint's Identity added and its readers rewired
+  to it; names taken are made free by a numeric suffix."""
+  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph.ir import parse_input  # pylint: disable=import-outside-toplevel
+  out = graph_pb2.GraphDef()
+  out.CopyFrom(graph_def)
+  names = {n.name for n in out.node}
+  known = dict(shapes.by_node)
+  rewire = {}  # (source, port) -> [(readers or None, constraint node)]
+  added = set()
+  for c in constraints:
+    name, i = c.name, 0
+    while name in names:
+      i += 1
+      name = f"{c.name}_{i}"
+    names.add(name)
+    added.add(name)
+    src, port = c.source
+    info = shapes.tensor(src, port)
+    device = graph.node(src).device
+    read = src if port == 0 else f"{src}:{port}"
+    if c.after:
+      gate = constraint_node(f"{name}/after", read, info.dtype, (), device)
+      del gate.attr[CONSTRAINT_ATTR]
+      gate.input.extend(f"^{a}" for a in c.after)
+      out.node.add().CopyFrom(gate)
+      names.add(gate.name)
+      added.add(gate.name)
+      known[gate.name] = [info]
+      read = gate.name
+    out.node.add().CopyFrom(constraint_node(name, read, info.dtype, c.dims, device))
+    rewire.setdefault((src, port), []).append((c.readers, name))
+    known[name] = [info]
+  for node in out.node:
+    if node.name in added:
+      continue
+    for i, text in enumerate(node.input):
+      if text.startswith("^"):
+        continue
+      for readers, new in rewire.get(parse_input(text), ()):
+        if readers is None or node.name in readers:
+          node.input[i] = new
+          break
+  return out, known

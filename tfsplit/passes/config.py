@@ -78,6 +78,12 @@ class SplitConfig:
     sum to 8 significant bits; updates then agree with the original to the
     bfloat16 precision's spread, not to float32's (runtime/verify.py checks
     it so).
+  sequence_parallel: in the megatron preset's tensor-parallel regions, the
+    ops between a row-parallel output and the next column-parallel input
+    (norms, dropout, residual and bias adds) run on 1/tp of the sequence:
+    each forward all-reduce becomes a reduce-scatter there and an
+    all-gather before the column-parallel contractions
+    (strategies/sequence_parallel.py).
   task: None (the graph of the whole mesh), or the index of the cluster task
     whose part alone is written (sharding/tasks.py): its nodes, the edges to
     other tasks made broadcasts, its inputs its share of the batch.
@@ -99,6 +105,7 @@ class SplitConfig:
   offload_device: Optional[str] = None
   task: Optional[int] = None
   gradient_reduce_dtype: Optional[str] = None
+  sequence_parallel: bool = False
 
   def __post_init__(self):
     check_mesh_axes(self.mesh.axis_names, self.axis)
@@ -158,6 +165,17 @@ class SplitConfig:
       raise PlanError(f"gradient_reduce_dtype='{g}' lowers the gradients' all-reduce over "
                       f"the data axis, but mesh {self.mesh} has no '{constants.DATA_AXIS}' "
                       "axis of 2 or more; add one (--mesh dp=2,...) or leave it unset")
+
+    if not isinstance(self.sequence_parallel, bool):
+      raise PlanError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
+    if self.sequence_parallel:
+      axis = self.split_axis(self.mesh)
+      if self.strategy != "megatron" or axis is None or self.mesh.axes.get(axis, 1) < 2:
+        raise PlanError(
+            f"sequence_parallel splits the megatron preset's tensor-parallel regions over "
+            f"the sequence, but mesh {self.mesh} with strategy '{self.strategy}' has none; "
+            "add a tensor axis (--mesh tp=2,...) with the megatron strategy, or drop "
+            "sequence_parallel (--sequence-parallel)")
 
   @property
   def recompute_mode(self):

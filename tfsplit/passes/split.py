@@ -15,6 +15,10 @@ plan_variables          variable shardings: strategy (megatron) + annotations;
                         the batch split of the inputs
 propagate_layouts       a sharding for every tensor; optimizer-slot and bias
                         shardings inferred from the ops that use them
+split_sequence          sequence_parallel= only: the regions between
+                        row- and column-parallel contractions split over
+                        the sequence (reduce-scatter / all-gather
+                        constraints), propagated again
 shard_optimizer_state   zero= only: optimizer slots split over dp, gradients
                         constrained to their blocks, propagated again
 assign_stages           pipeline only: every node's stage (its model chunk
@@ -75,6 +79,7 @@ from tfsplit.sharding.propagate import propagate
 from tfsplit.layout.spec import Sharding
 from tfsplit.strategies import experts as experts_lib
 from tfsplit.strategies.megatron import megatron_plan
+from tfsplit.strategies import sequence_parallel as sequence_lib
 
 
 @dataclasses.dataclass
@@ -175,6 +180,25 @@ def propagate_layouts(state):
     specs[var.node].local_shape(var.shape, mesh, f"variable '{var.name}'")
   state.propagation = propagate(analysis.graph, analysis.shapes, mesh, specs,
                                 state.input_specs, analysis.variables, state.explicit)
+
+
+def split_sequence(state):
+  """Sequence parallelism (config.sequence_parallel): sharding constraints
+  that split the norms, residual and bias adds between the preset's
+  row- and column-parallel contractions over the sequence
+  (strategies/sequence_parallel.py), then propagation again."""
+  if not state.config.sequence_parallel:
+    return
+  analysis = state.analysis
+  sp = sequence_lib.SequenceParallel(analysis, state.propagation, state.mesh,
+                                     state.config.split_axis(state.mesh))
+  if not sp.scattered:
+    raise PlanError("sequence_parallel: the megatron preset found no row-parallel "
+                    "contraction with a partial output over "
+                    f"{state.config.split_axis(state.mesh)} (no tensor-parallel block); "
+                    "drop sequence_parallel (--sequence-parallel)")
+  analysis.replace(*sp.graph_def())
+  propagate_layouts(state)
 
 
 def shard_optimizer_state(state):
@@ -477,7 +501,7 @@ def check_acyclic(state):
 
 
 PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
-          shard_optimizer_state, assign_stages, plan_offload, materialize_devices,
+          split_sequence, shard_optimizer_state, assign_stages, plan_offload, materialize_devices,
           check_microbatch_independence, order_work, bucket_gradients, offload_optimizer,
           lean_constants, extract_task, check_acyclic)
 
@@ -507,13 +531,15 @@ def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
                 timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
                 layer_ranges=None, balance="cost", virtual_stages=1,
                 bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0,
-                offload=None, offload_device=None, task=None, gradient_reduce_dtype=None):
+                offload=None, offload_device=None, task=None, gradient_reduce_dtype=None,
+                sequence_parallel=False):
   """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
   config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
                        layer_ranges, timeout_seconds, axis, balance, virtual_stages,
                        bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
                        offload=offload, offload_device=offload_device, task=task,
-                       gradient_reduce_dtype=gradient_reduce_dtype)
+                       gradient_reduce_dtype=gradient_reduce_dtype,
+                       sequence_parallel=sequence_parallel)
   return run_passes(graph_def, config)
 
 

@@ -80,7 +80,7 @@ class SplitFunction(object):
                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0, cluster=None,
                offload=None, offload_device=None, prepare=None, plan=None, devices=None,
                device_memory=None, hardware=None, shares_with=None, memory_reserve=None,
-               gradient_reduce_dtype=None):
+               gradient_reduce_dtype=None, sequence_parallel=False):
     # With a cluster (cluster=, or TF_CONFIG naming one) the mesh lives on its
     # worker tasks and one Session client drives them (runtime/cluster.py).
     # With a plan the mesh is known only once the graph is (below).
@@ -128,7 +128,8 @@ class SplitFunction(object):
                               layer_ranges=layer_ranges, virtual_stages=virtual_stages,
                               bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
                               offload=offload, offload_device=offload_device,
-                              task=self.task, gradient_reduce_dtype=gradient_reduce_dtype)
+                              task=self.task, gradient_reduce_dtype=gradient_reduce_dtype,
+                              sequence_parallel=sequence_parallel)
     self.manifest = self.result.manifest
     self.graph_def = self.result.graph_def
     values = {name: var.numpy() for name, var in self.original_variables.items()}
@@ -250,7 +251,7 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
           layer_ranges=None, virtual_stages=1, bucket_bytes=DEFAULT_BUCKET_BYTES,
           recompute=None, zero=0, cluster=None, offload=None, offload_device=None,
           prepare=None, plan=None, devices=None, device_memory=None, hardware=None,
-          memory_reserve=None, gradient_reduce_dtype=None):
+          memory_reserve=None, gradient_reduce_dtype=None, sequence_parallel=False):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...
@@ -281,6 +282,10 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
   gradient_reduce_dtype: 'bfloat16' reduces float32 gradients over 'dp' in
     bfloat16, half the bytes, each partial gradient rounded to 8 significant
     bits (no longer float32-exact); None (default): the graph's own dtype.
+  sequence_parallel: with the megatron strategy and a 'tp' axis, the norms,
+    residual and bias adds between tensor-parallel blocks run on 1/tp of the
+    sequence (reduce-scatter and all-gather in place of each forward
+    all-reduce: strategies/sequence_parallel.py).
   prepare: a GraphDef -> GraphDef function applied to the traced graph
     before it is split (tfsplit.keras drops the Keras metric updates so).
   plan: 'auto' chooses mesh, micro-batches, schedule, stage ranges,
@@ -298,4 +303,5 @@ def split(fn, mesh="tp=2", strategy="megatron", input_signature=None, annotation
                        virtual_stages, bucket_bytes, recompute, zero, cluster, offload,
                        offload_device, prepare, plan, devices, device_memory, hardware,
                        memory_reserve=memory_reserve,
-                       gradient_reduce_dtype=gradient_reduce_dtype)
+                       gradient_reduce_dtype=gradient_reduce_dtype,
+                       sequence_parallel=sequence_parallel)

@@ -38,7 +38,7 @@ import numpy as np
 
 from tfsplit import constants
 from tfsplit.graph.ir import parse_input
-from tfsplit.layout.spec import constraint_node
+from tfsplit.layout.spec import Constraint, insert_constraints
 
 # Ops a split slot may meet (each has a rule for a split variable).
 _SLOT_OPS = frozenset(["ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
@@ -123,34 +123,9 @@ def constrain_gradients(analysis, plan):
   constraint after each gradient of `plan.gradients`: an Identity its
   consumers read instead, named after the gradient (its scope, so its role
   and layer, are the gradient's)."""
-  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
-  graph, shapes = analysis.graph, analysis.shapes
-  out = graph_pb2.GraphDef()
-  out.CopyFrom(analysis.graph_def)
-  names = {n.name for n in out.node}
-  rename, known = {}, dict(shapes.by_node)
-  for (src, port), dims in sorted(plan.gradients.items()):
-    base = f"{src}/zero_shard" + (f"_{port}" if port else "")
-    name, i = base, 0
-    while name in names:
-      i += 1
-      name = f"{base}_{i}"
-    names.add(name)
-    info = shapes.tensor(src, port)
-    out.node.add().CopyFrom(constraint_node(name, src if port == 0 else f"{src}:{port}",
-                                            info.dtype, dims, graph.node(src).device))
-    rename[(src, port)] = name
-    known[name] = [info]
-  for node in out.node:
-    if node.name in rename.values():
-      continue
-    for i, text in enumerate(node.input):
-      if text.startswith("^"):
-        continue
-      new = rename.get(parse_input(text))
-      if new is not None:
-        node.input[i] = new
-  return out, known
+  return insert_constraints(analysis.graph_def, analysis.graph, analysis.shapes, [
+      Constraint(f"{src}/zero_shard" + (f"_{port}" if port else ""), (src, port), dims)
+      for (src, port), dims in sorted(plan.gradients.items())])
 
 
 def annotate_manifest(manifest, plan, variables):

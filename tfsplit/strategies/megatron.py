@@ -23,7 +23,7 @@ from tfsplit.rules.shape import _groups
 
 CONTRACTIONS = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                           "Einsum"])
-_VIEW_OPS = frozenset(["Identity", "Cast", "Reshape"])
+VIEW_OPS = frozenset(["Identity", "Cast", "Reshape"])
 
 
 def _operand_letters(node, shapes):
@@ -52,7 +52,7 @@ def _trace_to_variable(graph, text, var_by_node):
     if node.op == "ReadVariableOp":
       handle = parse_input(node.input[0])[0]
       return var_by_node.get(handle), chain
-    if node.op not in _VIEW_OPS:
+    if node.op not in VIEW_OPS:
       return None, chain
     chain.append(name)
     name = parse_input(node.input[0])[0]
@@ -90,7 +90,7 @@ def find_weight_contractions(graph, shapes, variables, roles=None):
   return found
 
 
-def _pairing(graph, shapes, variables, roles):
+def pair_contractions(graph, shapes, variables, roles):
   """(contractions, {contraction node: 'column' | 'row'}) of the preset."""
   contractions = find_weight_contractions(graph, shapes, variables, roles)
   by_node = {c[0]: c for c in contractions}
@@ -136,7 +136,7 @@ def split_all_reduces(graph, shapes, variables, roles, variable_free):
   has other readers (the residual of a post-norm block), its gradient adds
   replicated terms to the partial ones, and each is all-reduced first.
   """
-  contractions, kind = _pairing(graph, shapes, variables, roles)
+  contractions, kind = pair_contractions(graph, shapes, variables, roles)
   count, readers = dict.fromkeys(kind, 0), collections.defaultdict(list)
   for name, operand, _, _ in contractions:
     if kind.get(name) == "row":
@@ -158,7 +158,7 @@ def split_all_reduces(graph, shapes, variables, roles, variable_free):
 
 def _view_source(graph, name):
   """The node `name` is a view of (through Identity / Cast / Reshape)."""
-  while graph.node(name).op in _VIEW_OPS:
+  while graph.node(name).op in VIEW_OPS:
     name = parse_input(graph.node(name).input[0])[0]
   return name
 
@@ -172,7 +172,7 @@ def _only_read_by(graph, source, targets, roles):
       if c in targets or constants.is_gradient_name(c) or (
           roles is not None and roles.get(c) != constants.FORWARD):
         continue
-      if consumer.op not in _VIEW_OPS:
+      if consumer.op not in VIEW_OPS:
         return False
       stack.append(c)
   return True
@@ -182,7 +182,7 @@ def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=Non
   """{variable handle node: dims tuple} for the megatron preset."""
   if not isinstance(graph, Graph):
     graph = Graph(graph)
-  contractions, kind = _pairing(graph, shapes, variables, roles)
+  contractions, kind = pair_contractions(graph, shapes, variables, roles)
   n = mesh.axes[axis] if mesh is not None else None
   plan = {}
   for name, operand, var, chain in contractions:
