@@ -176,6 +176,11 @@ class SplitConfig:
             f"the sequence, but mesh {self.mesh} with strategy '{self.strategy}' has none; "
             "add a tensor axis (--mesh tp=2,...) with the megatron strategy, or drop "
             "sequence_parallel (--sequence-parallel)")
+      if self.schedule in constants.ZERO_BUBBLE_SCHEDULES and self.stages > 1:
+        raise PlanError(
+            f"sequence_parallel does not combine with the {self.schedule} schedule yet (its "
+            "weight-gradient blocks would wait for input gradients through the sequence "
+            "gathers); use schedule='1f1b' (--schedule 1f1b) or drop sequence_parallel")
 
   @property
   def recompute_mode(self):

@@ -69,13 +69,17 @@ def reshape(ctx):
     major_in = next((k for k in gi if in_shape[k] != 1), None)
     major_out = next((k for k in gj if out_shape[k] != 1), None)
     # Splitting the major dim of a group = splitting its linear range into
-    # contiguous blocks, which maps onto the major dim on the other side.
-    if len(split) == 1 and d == major_in and major_out is not None and \
+    # contiguous blocks, which maps onto the major dim on the other side;
+    # splits of its minor dims (a sequence split over tp under the batch's
+    # over micro-batches) are gathered first, the major one kept.
+    if d == major_in and major_out is not None and \
         divisible(out_shape[major_out], ctx, axis):
       out_dims[major_out] = axis
+      gathered = split[1:]
     else:
-      for k, _ in split:
-        in_dims[k] = None
+      gathered = split
+    for k, _ in gathered:
+      in_dims[k] = None
   req = [Sharding(tuple(in_dims), spec.partial), ctx.in_specs[1]]
   return Decision(req, [Sharding(tuple(out_dims), spec.partial)],
                   localize=_replace_shape_input(1))

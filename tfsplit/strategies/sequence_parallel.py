@@ -90,9 +90,6 @@ class SequenceParallel(object):
     contractions, kind = pair_contractions(self.graph, self.shapes, analysis.variables,
                                            self.roles)
     self.operand = {name: op for name, op, _, _ in contractions}
-    for name, _, _, _ in contractions:
-      if kind.get(name) == "row" and axis in self._partial_parts(name):
-        self._scatter(name)
     readers = collections.defaultdict(set)   # source -> its forward readers
     columns = collections.defaultdict(list)  # source -> the columns reading it
     for name, _, _, _ in contractions:
@@ -107,9 +104,24 @@ class SequenceParallel(object):
         readers[path[0]].add(path[1])
         if kind.get(name) == "column":
           columns[path[0]].append(name)
+    # The residual stream: what column-parallel contractions read. A row-
+    # parallel output of another shape (a classifier's logits after a
+    # pooler) stays all-reduced, and so does the gradient of a column
+    # input off the stream (the pooler's [batch, features]).
+    stream = {self._shape(source) for source in columns}
+    for name, _, _, _ in contractions:
+      if kind.get(name) == "row" and axis in self._partial_parts(name) and \
+          self._shape(_view_tail(self.graph, self.roles, name)) in stream:
+        self._scatter(name)
+    stream = {self._shape(t) for t in self.scattered}
     for source in sorted(readers):
-      if self._gather(source, readers[source]) and columns[source]:
+      if self._gather(source, readers[source]) and columns[source] and \
+          self._shape(source) in stream:
         self._scatter_input_gradient(source, columns[source])
+
+  def _shape(self, name):
+    info = self.shapes.tensor(name, 0)
+    return None if info is None or info.shape is None else tuple(info.shape)
 
   def _sequence_split(self, name, port=0):
     """`name`'s dims (the first propagation's) with its sequence dimension
