@@ -74,6 +74,11 @@ def define_flags(fv):
                     "gradient rounded to 8 significant bits (verify then holds updates to "
                     "bfloat16's spread, not float32's). Default: the graph's own dtype, "
                     "exact.", flag_values=fv)
+  flags.DEFINE_boolean("sequence-parallel", False, "With the megatron strategy and a tp "
+                       "axis: the norms, residual and bias adds between tensor-parallel "
+                       "blocks run on 1/tp of the sequence (reduce-scatter and all-gather in "
+                       "place of each forward all-reduce, the same bytes; their "
+                       "activations divided by tp).", flag_values=fv)
   flags.DEFINE_float("collective-timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
   flags.DEFINE_string("cluster", None, "Place the mesh on a cluster's worker tasks: "
@@ -101,7 +106,7 @@ def run(fv, args):
       fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
       "microbatches", "schedule", "collective-timeout", "signature", "variables",
       "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task",
-      "offload", "offload-device", "task", "gradient-reduce-dtype")
+      "offload", "offload-device", "task", "gradient-reduce-dtype", "sequence-parallel")
   if fv.plan:
     from tfsplit.commands.plan_cmd import rewrite_options  # pylint: disable=import-outside-toplevel
     options.update(rewrite_options(fv, args[0]))

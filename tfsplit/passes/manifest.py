@@ -9,6 +9,7 @@
      "source": "/abs/path/in.pb" | null,
      "zero": 0 | 1 | 2,                   # optimizer-state sharding stage over dp
      "offload": null | "optimizer",       # CPU offload (memory/offload.py)
+     "sequence_parallel": false | true,   # strategies/sequence_parallel.py
      "gradient_reduce": null | {"dtype": "bfloat16", "tensors": [...]},
                                           # float32 gradients (original tensors)
                                           # reduced over dp in a lower dtype
@@ -54,6 +55,7 @@ def build(result, source=None):
           "virtual_stages": int(config.virtual_stages),
           "zero": int(getattr(config, "zero", 0)),
           "offload": getattr(config, "offload", None),
+          "sequence_parallel": bool(getattr(config, "sequence_parallel", False)),
           "gradient_reduce": gradient_reduce(result),
           "source": os.path.abspath(source) if source else None,
           "variables": result.manifest, "outputs": result.output_copies,

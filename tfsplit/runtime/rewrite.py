@@ -64,7 +64,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                  schedule="1f1b", collective_timeout=600.0, signature=None,
                  variables=None, virtual_stages=1, bucket_mb=25.0, zero=0,
                  recompute="none", cluster=None, across_tasks=None, devices_per_task=None,
-                 offload="none", offload_device=None, task=None, gradient_reduce_dtype=None):
+                 offload="none", offload_device=None, task=None, gradient_reduce_dtype=None,
+                 sequence_parallel=False):
   """Splits the graph at `source` and writes it to `output` with its manifest.
 
   cluster / across_tasks / devices_per_task: place the mesh on a cluster's
@@ -78,6 +79,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
   update ops on each device's host CPU, or on `offload_device` (memory/offload.py).
   gradient_reduce_dtype: 'bfloat16' reduces float32 gradients over dp in it
   (half the bytes, no longer float32-exact: see SplitConfig).
+  sequence_parallel: split the regions between tensor-parallel blocks over
+  the sequence (strategies/sequence_parallel.py).
   Returns the summary lines of what was done.
   """
   from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
@@ -101,7 +104,8 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
                        recompute=recompute,
                        offload=None if offload in (None, "none") else offload,
                        offload_device=offload_device, task=task,
-                       gradient_reduce_dtype=gradient_reduce_dtype)
+                       gradient_reduce_dtype=gradient_reduce_dtype,
+                       sequence_parallel=sequence_parallel)
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)
