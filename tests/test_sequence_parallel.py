@@ -17,11 +17,9 @@ from tfsplit.passes import manifest as manifest_lib
 from tfsplit.passes import split_graph
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding import reshard as reshard_lib
+from tfsplit.strategies.sequence_parallel import activation_bytes
 
 from _util import check_training, example, names
-
-BENCH = "tools/bench_sequence_parallel.py"
-
 
 def _graph(ex):
   concrete = ex.train_step.get_concrete_function(*ex.train_signature)
@@ -144,14 +142,12 @@ def test_cli_rewrite(tmp_path):
   assert not bad.exists()
 
 
-def test_bench_formula():
-  """The bench's formula is the paper's Table 2 (t = 1: both 34 + 5as/h)."""
-  import importlib.util  # pylint: disable=import-outside-toplevel
-  spec = importlib.util.spec_from_file_location("bench_sp", BENCH)
-  bench = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(bench)
+def test_activation_formula():
+  """The paper's Table 2 (t = 1: both 34 + 5as/h; with sequence
+  parallelism everything is divided by t)."""
   s, b, h, a = 2048, 1, 4096, 32
-  assert bench.formula(s, b, h, a, 1, False) == bench.formula(s, b, h, a, 1, True) == \
-      s * b * h * (34 + 5 * a * s / h)
-  assert bench.formula(s, b, h, a, 8, True) == pytest.approx(
-      s * b * h * (34 + 5 * a * s / h) / 8)
+  full = s * b * h * (34 + 5 * a * s / h)
+  assert activation_bytes(s, b, h, a, 1, False) == activation_bytes(s, b, h, a, 1, True) == full
+  assert activation_bytes(s, b, h, a, 8, True) == pytest.approx(full / 8)
+  assert activation_bytes(s, b, h, a, 8, False) == pytest.approx(
+      s * b * h * (10 + 24 / 8 + 5 * a * s / (8 * h)))

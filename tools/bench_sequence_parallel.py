@@ -143,14 +143,9 @@ def _is_weight(graph, name):
   return node.op == "VarHandleOp"
 
 
-def formula(s, b, h, a, t, sequence_parallel):
-  if sequence_parallel:
-    return s * b * h * (34 / t + 5 * a * s / (h * t))
-  return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
-
-
 def main(_):
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.strategies.sequence_parallel import activation_bytes as formula  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime.split_function import make_mesh  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime.devices import ensure_logical_devices  # pylint: disable=import-outside-toplevel
   s, b, h, a, t = FLAGS.seq, FLAGS.batch, FLAGS.hidden, FLAGS.heads, FLAGS.tp

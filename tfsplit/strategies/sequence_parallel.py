@@ -37,6 +37,17 @@ from tfsplit.strategies.megatron import VIEW_OPS, CONTRACTIONS, pair_contraction
 _SHAPE_VIEWS = frozenset(["Reshape", "Identity"])
 
 
+def activation_bytes(s, b, h, a, t, sequence_parallel):
+  """Bytes one transformer layer keeps for its backward at tensor-parallel
+  size t, 16-bit activations and 1-byte dropout masks (Korthikanti et al.,
+  Table 2): s*b*h*(10 + 24/t + 5as/(ht)) without sequence parallelism,
+  s*b*h*(34/t + 5as/(ht)) with it."""
+  attention = 5 * a * s / (h * t)
+  if sequence_parallel:
+    return s * b * h * (34 / t + attention)
+  return s * b * h * (10 + 24 / t + attention)
+
+
 def sequence_dim(rank):
   """The dimension split over tp: the sequence of [batch, sequence, ...];
   the tokens of [tokens, features]."""
