@@ -151,3 +151,22 @@ def test_activation_formula():
   assert activation_bytes(s, b, h, a, 8, True) == pytest.approx(full / 8)
   assert activation_bytes(s, b, h, a, 8, False) == pytest.approx(
       s * b * h * (10 + 24 / 8 + 5 * a * s / (8 * h)))
+
+
+def test_a_plan_carries_it():
+  """Plan.sequence_parallel round-trips through the plan file, is checked,
+  and tfsplit.split(plan=) applies it."""
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.plan import plan as plan_file  # pylint: disable=import-outside-toplevel
+  ex = example("causallm_keras3")
+  layers = plan_lib.model_layer_names(_graph(ex))
+  plan = plan_lib.Plan(devices=2, layers=layers, mesh="tp=2", sequence_parallel=True)
+  text = plan.to_json()
+  assert plan_file.from_json(json.loads(json.dumps(text))).sequence_parallel is True
+  with pytest.raises(PlanError, match="'sequence_parallel' must be true or false"):
+    plan_file.from_json({**text, "sequence_parallel": "yes"})
+  step = tfsplit.split(ex.train_step, plan=plan, input_signature=ex.train_signature,
+                       variable_names=names(ex))
+  assert step.result.config.sequence_parallel
+  assert any(r.kind == "reduce_scatter" for r in step.result.collectives)

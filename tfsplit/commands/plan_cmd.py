@@ -189,6 +189,8 @@ def rewrite_options(fv, source):
       raise PlanError(f"the plan offloads the {plan.offload} state but --offload "
                       f"{fv.offload} is given; drop --offload")
     extra["offload"] = plan.offload
+  if plan.sequence_parallel:
+    extra["sequence_parallel"] = True
   if plan.replicate:  # the blocks the plan keeps whole: their weights annotated
     annotations = plan.split_options(graph_def)["annotations"]
     extra["annotate"] = list(fv.annotate or []) + [

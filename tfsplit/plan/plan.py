@@ -45,6 +45,10 @@ class Plan:
   zero: int = 0
   replicate: List[str] = dataclasses.field(default_factory=list)  # blocks not split
   offload: Optional[str] = None   # None or 'optimizer'
+  # The regions between tensor-parallel blocks split over the sequence
+  # (strategies/sequence_parallel.py); the planner prices a split layer's
+  # activations as 1/tp of them, which it makes true.
+  sequence_parallel: bool = False
   device_memory: Optional[int] = None
   memory_reserve: float = DEFAULT_RESERVE
   cluster: Optional[str] = None
@@ -95,7 +99,7 @@ class Plan:
                "layer_ranges": [tuple(r) for r in self.layer_ranges]
                                if self.layer_ranges else None,
                "recompute": self.recompute_option, "zero": self.zero,
-               "offload": self.offload}
+               "offload": self.offload, "sequence_parallel": self.sequence_parallel}
     if self.replicate:
       if graph_def is not None:
         options["annotations"] = replicated_annotations(graph_def, self.replicate)
@@ -117,7 +121,7 @@ class Plan:
             "recompute": list(self.recompute) if isinstance(self.recompute, (list, tuple))
                          else self.recompute, "zero": self.zero,
             "replicate": list(self.replicate), "offload": self.offload or "none",
-            "memory_reserve": self.memory_reserve,
+            "sequence_parallel": self.sequence_parallel, "memory_reserve": self.memory_reserve,
             "predicted": self.predicted, "candidates": self.candidates}
 
   def save(self, path):
@@ -203,6 +207,7 @@ def _field(obj, key, source, kind, default=dataclasses.MISSING):
 
 
 _KIND_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "an object",
+               bool: "true or false",
                (str, list): "a string or a list"}
 
 
@@ -248,6 +253,7 @@ def from_json(obj, source="plan"):
     raise PlanError(f"plan '{source}': field 'replicate' lists {json.dumps(stray[0])[:60]}, "
                     "not one of the plan's layers")
   offload = _field(obj, "offload", source, str, "none")
+  sequence_parallel = _field(obj, "sequence_parallel", source, bool, False)
   for key, value, allowed in (("schedule", schedule, space.SCHEDULES),
                               ("recompute", recompute if isinstance(recompute, str)
                                else "blocks", ("none", "blocks")),
@@ -273,7 +279,8 @@ def from_json(obj, source="plan"):
   return Plan(devices=devices, layers=layers, mesh=str(mesh), microbatches=m,
               schedule=schedule, virtual_stages=v, layer_ranges=ranges,
               recompute=recompute, zero=zero, replicate=list(replicate),
-              offload=None if offload == "none" else offload, device_memory=memory,
+              offload=None if offload == "none" else offload,
+              sequence_parallel=sequence_parallel, device_memory=memory,
               memory_reserve=reserve,
               cluster=obj.get("cluster"), graph=obj.get("graph"),
               predicted=obj.get("predicted") or {}, candidates=obj.get("candidates") or [])

@@ -112,6 +112,7 @@ class SplitFunction(object):
       # its optimizer offload.
       annotations = {**(annotations or {}), **options.get("annotations", {})}
       offload = options["offload"] or offload
+      sequence_parallel = options["sequence_parallel"] or sequence_parallel
       self.cluster, cluster_mesh = cluster_lib.place(mesh, cluster)
       self.mesh = cluster_mesh or make_mesh(mesh)
     if self.cluster is not None and timeout_seconds is None:
