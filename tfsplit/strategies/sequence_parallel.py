@@ -134,18 +134,25 @@ class SequenceParallel(object):
     info = self.shapes.tensor(name, 0)
     return None if info is None or info.shape is None else tuple(info.shape)
 
+  def _with_sequence_axis(self, name, port=0):
+    """(dims, d): `name`'s dims (the first propagation's) with sequence
+    dimension d also split over the axis, after the splits it has."""
+    dims = list(_spec(self.prop, name, port).dims)
+    d = sequence_dim(len(dims))
+    dims[d] = join_parts((axis_parts(dims[d]) if dims[d] else []) + [self.axis])
+    return tuple(dims), d
+
   def _sequence_split(self, name, port=0):
-    """`name`'s dims (the first propagation's) with its sequence dimension
-    also split over the axis, or None where its size does not divide."""
+    """`name`'s dims with its sequence dimension also split over the axis,
+    or None where it is already or its size does not divide."""
     info = self.shapes.tensor(name, port)
     if info is None or info.shape is None or None in info.shape:
       return None
-    dims = list(_spec(self.prop, name, port).dims)
-    d = sequence_dim(len(dims))
-    if dims[d] and self.axis in axis_parts(dims[d]):
+    if self.axis in axis_parts(_spec(self.prop, name, port).dims[sequence_dim(len(info.shape))]
+                               or ""):
       return None
-    dims[d] = join_parts((axis_parts(dims[d]) if dims[d] else []) + [self.axis])
-    return tuple(dims) if info.shape[d] % self.mesh.size_of(dims[d]) == 0 else None
+    dims, d = self._with_sequence_axis(name, port)
+    return dims if info.shape[d] % self.mesh.size_of(dims[d]) == 0 else None
 
   def _scatter_input_gradient(self, source, columns):
     """Reduce-scatter, over the sequence, of the gradient the column-parallel
@@ -187,10 +194,7 @@ class SequenceParallel(object):
       raise PlanError(f"node '{row}' (op {node.op}): sequence parallelism splits its "
                       "output over the sequence, whose size is not known; give the graph "
                       "static shapes or drop sequence_parallel (--sequence-parallel)")
-    dims = list(_spec(self.prop, tail).dims)
-    d = sequence_dim(len(dims))
-    parts = axis_parts(dims[d]) if dims[d] else []
-    dims[d] = join_parts(parts + [self.axis])
+    dims, d = self._with_sequence_axis(tail)
     n = self.mesh.size_of(dims[d])
     if info.shape[d] % n:
       raise PlanError(
@@ -198,7 +202,7 @@ class SequenceParallel(object):
           f"(size {info.shape[d]}) of its output over {dims[d]}={n}, which does not "
           f"divide it; use a sequence length that divides by {n}, a smaller tp, or drop "
           "sequence_parallel (--sequence-parallel)")
-    self.constraints.append(Constraint(f"{tail}/sequence_scatter", (tail, 0), tuple(dims)))
+    self.constraints.append(Constraint(f"{tail}/sequence_scatter", (tail, 0), dims))
     self.scattered.append(tail)
     # The row's backward contractions (its weight gradient, its input
     # gradient) read the gradient of its output: gather it once for both.
