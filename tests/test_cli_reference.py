@@ -49,7 +49,8 @@ def test_python_api_names_every_keyword():
   from tfsplit.runtime.split_function import split  # pylint: disable=import-outside-toplevel
   text = _read("docs/python-api.md")
   table = set(re.findall(r"^\| `(\w+)` \|", text, re.M))
-  missing = [k for k in _keywords(split)[1:] if k not in table]
+  from tfsplit.passes.config import SplitConfig  # pylint: disable=import-outside-toplevel
+  missing = [k for k in _keywords(split)[1:] + list(SplitConfig.options()) if k not in table]
   assert not missing, f"docs/python-api.md's tfsplit.split table lacks {missing}"
   heading = re.search(r"^## `tfsplit\.keras\.split\((.*)\)`", text, re.M).group(1)
   for keyword in _keywords(keras_split)[1:]:

@@ -382,7 +382,7 @@ def test_plan_auto():
       name, dict(plan="auto", devices=4, device_memory="1GB"))
   _report(split_model, start, want, alt, got_hist, want_hist, alt_hist).assert_ok("plan=auto")
   plan = split_model.split_step.plan
-  assert plan is not None and plan.split_options()["mesh"] == ",".join(
+  assert plan is not None and plan.options()["mesh"] == ",".join(
       f"{k}={v}" for k, v in split_model.split_step.mesh.axes.items())
 
 

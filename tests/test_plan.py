@@ -183,7 +183,7 @@ def test_offloads_only_when_nothing_fits_without():
   cap = (kept.memory + moved.memory) // 2
   plan, result = plan_lib.plan_profile(_optimizer_heavy(), 1, cap, cluster,
                                        memory_reserve=0)
-  assert plan.offload == "optimizer" and plan.split_options()["offload"] == "optimizer"
+  assert plan.offload == "optimizer" and plan.options()["offload"] == "optimizer"
   assert plan_json.from_json(plan.to_json()).offload == "optimizer"
   best = search_lib.Planner(_optimizer_heavy(), cluster, 1, cap).exhaustive()
   assert best.candidate.offload and result.best.step_time == pytest.approx(best.step_time)
@@ -359,7 +359,7 @@ def _hand_plan(devices, mesh, **fields):
 
 def _replicating_options():
   """tp=2 with gpt/block_0 whole on both devices and gpt/block_1 split."""
-  return _hand_plan(2, "tp=2", replicate=["gpt/block_0"]).split_options(
+  return _hand_plan(2, "tp=2", replicate=["gpt/block_0"]).options(
       load_graph(_graph("gpt_raw")))
 
 
@@ -406,7 +406,7 @@ def test_rewrite_plan_honours_replicated_blocks_and_offload(tmp_path, capsys):
   assert slots and all("CPU:0" in s["device"] for e in slots for s in e["shards"])
   code, text, err = _cli(["rewrite", _graph("gpt_raw"), "--plan", path, "--devices", "gpu",
                           "--offload", "none", "-o", out], capsys)
-  _one_line_error(code, text, err, "rewrite", "the plan offloads the optimizer state")
+  _one_line_error(code, text, err, "rewrite", "the plan sets --offload optimizer but --offload none")
 
 
 def _offload_plan():
@@ -431,7 +431,7 @@ def test_offload_plan_trains_exactly():
   from tfsplit.layout import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   plan = _offload_plan()
   assert plan.offload == "optimizer"
-  options = plan.split_options()
+  options = plan.options()
   mesh = mesh_lib.Mesh.parse(options.pop("mesh"), mesh_lib.local_cpu_devices(2)[1:])
   step = check_training(example("gpt_raw"), mesh=mesh, **options)
   assert step.result.offloaded_nodes
@@ -552,7 +552,7 @@ def test_rewrite_refuses_a_plan_of_another_graph_and_mixed_flags(tmp_path, capsy
   _one_line_error(code, text, err, "rewrite", "plan does not match", "layer 'mlp/layer_0'")
   code, text, err = _cli(["rewrite", _graph("mlp_raw"), "--plan", path, "--mesh", "tp=2",
                           "-o", out], capsys)
-  _one_line_error(code, text, err, "rewrite", "--plan sets --mesh")
+  _one_line_error(code, text, err, "rewrite", "the plan sets --mesh dp=2 but --mesh tp=2")
   code, text, err = _cli(["rewrite", _graph("mlp_raw"), "--plan", tmp_path / "none.json",
                           "-o", out], capsys)
   _one_line_error(code, text, err, "rewrite", "does not exist")

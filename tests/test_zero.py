@@ -217,9 +217,10 @@ def test_gpu_graph_uses_nccl_reduce_scatter_and_is_deterministic():
   """On GPUs the reduce-scatter is CollectiveReduceScatterV2 (NCCL), one
   bucket of it and one of all-gathers per device; the graph imports into TF,
   and the same split twice is the same bytes."""
-  from tfsplit.runtime.rewrite import make_mesh as mesh_on  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import placement  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(TRAIN)
-  results = [split_graph(graph_def, mesh_on("dp=2", devices="gpu"), zero=1)
+  gpus = placement.device_names("gpu", 2)
+  results = [split_graph(graph_def, placement.make_mesh("dp=2", devices=gpus), zero=1)
              for _ in range(2)]
   a, b = (r.graph_def.SerializeToString(deterministic=True) for r in results)
   assert a == b
@@ -265,7 +266,7 @@ def test_skipping_the_all_gather_fails_the_exactness_check():
       node.attr["Tidx"].type = tf.int32.as_datatype_enum
       del node.input[:]
       node.input.extend([data, data, axis.name])
-    step._fn = import_graph(graph_def, step.variables)  # pylint: disable=protected-access
+    step.runner._fn = import_graph(graph_def, step.variables)  # pylint: disable=protected-access
     report, _ = training_report(step, ex, ex.make_inputs("train", seed=11), 2)
     assert not report.ok
     assert any(c.kind == "value" and "kernel" in c.what for c in report.failures)

@@ -48,18 +48,18 @@ def run(fv, args):
     verb = "needs" if len(mesh_flags) == 1 else "need"
     raise TfsplitError(f"{', '.join(mesh_flags)} {verb} --mesh, the split whose "
                        "fallbacks to list (e.g. --mesh dp=2)")
-  mesh = None
+  config = None
   if fv.mesh:
-    from tfsplit.runtime.rewrite import make_mesh  # pylint: disable=import-outside-toplevel
-    mesh = make_mesh(fv.mesh, fv.stages)  # a bad mesh fails before any work
+    from tfsplit.commands import split_flags  # pylint: disable=import-outside-toplevel
+    config = split_flags.split_config(fv)  # a bad mesh fails before any work
   report = report_lib.inspect_graph(args[0], fv.signature, fv["layer-depth"].value,
                                     fv.variables, sections=[("experts", expert_section)])
   lines = report_lib.inspect_table(report, fv["top-ops"].value)
   # Before the variables table.
   at = lines.index("variables")
   lines[at:at] = expert_table(report["experts"]) + [""]
-  if mesh is not None:
-    report["fallbacks"] = mesh_fallbacks(args[0], mesh, fv)
+  if config is not None:
+    report["fallbacks"] = mesh_fallbacks(args[0], config, fv)
     # Before the closing "inspected in" line.
     lines[-1:-1] = fallback_table(report["fallbacks"]) + [""]
   note = report_lib.unknown_shapes_note(report)
@@ -92,8 +92,9 @@ def expert_table(layers):
                                    "weight names"], rows)]
 
 
-def mesh_fallbacks(source, mesh, fv):
-  """The fallbacks of splitting `source` over `mesh`, grouped per op type.
+def mesh_fallbacks(source, config, fv):
+  """The fallbacks of splitting `source` under `config` (a SplitConfig),
+  grouped per op type.
 
   Runs the split's own passes up to the stage assignment (propagation
   decides every fallback; a mesh that does not fit the graph fails there,
@@ -102,18 +103,14 @@ def mesh_fallbacks(source, mesh, fv):
   from tfsplit.graph import load_graph, recover
   from tfsplit.passes import split as split_lib
   from tfsplit.passes.analysis import Analysis
-  from tfsplit.passes.config import SplitConfig
-  from tfsplit.runtime.rewrite import parse_annotation
   graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
   recover.require_variable_shapes(graph_def, source)
-  config = SplitConfig(mesh, strategy=fv.strategy, microbatches=fv.microbatches,
-                       annotations=dict(parse_annotation(a) for a in fv.annotate))
   state = split_lib.SplitState(config, config.split_mesh(),
                                Analysis(graph_def))
   last = split_lib.PASSES.index(split_lib.assign_stages)
   for pass_fn in split_lib.PASSES[:last + 1]:
     pass_fn(state)
-  return group_fallbacks(state.propagation.fallbacks, mesh, config)
+  return group_fallbacks(state.propagation.fallbacks, config.mesh, config)
 
 
 def group_fallbacks(fallbacks, mesh, config):

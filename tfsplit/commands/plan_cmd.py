@@ -129,14 +129,15 @@ def simulate_top(graph_def, estimates, spec, profile, calibration=None):
   from tfsplit.cost import graph_sim  # pylint: disable=import-outside-toplevel
   from tfsplit.cost import op_cost  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes.config import SplitConfig  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import Plan  # pylint: disable=import-outside-toplevel
   from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
   table = op_cost.CostTable.load(calibration) if calibration else None
   out = []
   for est in estimates:
-    options = Plan.from_estimate(est, profile).split_options(graph_def)
-    mesh = Mesh.parse(options.pop("mesh"))
-    result = split_graph(graph_def, mesh, **options)
+    plan = Plan.from_estimate(est, profile).bind(graph_def)
+    mesh = Mesh.parse(plan.mesh)
+    result = split_graph(graph_def, plan.apply(SplitConfig(mesh)))
     sim = graph_sim.simulate_graph(result.graph_def, spec,
                                    op_cost.CostModel(spec, table=table),
                                    device_map={d: i for i, d in enumerate(mesh.devices)})
@@ -162,42 +163,3 @@ def simulation_lines(estimates, simulated, usable):
                f"{format_bytes(usable)} a plan may use; plan with a larger "
                "--memory-reserve to leave room")
   return out
-
-
-# Flags of `tfsplit rewrite` that a plan sets.
-_PLANNED = ("mesh", "stages", "layers", "microbatches", "schedule", "virtual-stages",
-            "recompute", "zero")
-
-
-def rewrite_options(fv, source):
-  """`tfsplit rewrite --plan`: the rewrite_file options the plan sets, after
-  checking the plan against the graph at `source` (its layers). The flags
-  it replaces may not be given beside it."""
-  from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
-  from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
-  given = [f"--{name}" for name in _PLANNED if fv[name].present]
-  if given:
-    raise PlanError(f"--plan sets {', '.join(given)}; give either the plan or those flags")
-  plan = plan_lib.read(fv.plan)
-  graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
-  plan.check_graph(plan_lib.model_layer_names(graph_def), source)
-  ranges = plan.layer_ranges or []
-  extra = {}
-  if plan.offload:
-    if fv["offload"].present and fv.offload != plan.offload:
-      raise PlanError(f"the plan offloads the {plan.offload} state but --offload "
-                      f"{fv.offload} is given; drop --offload")
-    extra["offload"] = plan.offload
-  if plan.sequence_parallel:
-    extra["sequence_parallel"] = True
-  if plan.replicate:  # the blocks the plan keeps whole: their weights annotated
-    annotations = plan.split_options(graph_def)["annotations"]
-    extra["annotate"] = list(fv.annotate or []) + [
-        f"{glob}={','.join('-' for _ in dims)}" for glob, dims in annotations.items()]
-  return {**extra, "mesh": plan.mesh, "stages": 1,
-          "layers": ",".join(f"{a}:{b}" for a, b in ranges) or None,
-          "microbatches": plan.microbatches, "schedule": plan.schedule,
-          "virtual_stages": plan.virtual_stages,
-          "recompute": ",".join(plan.recompute) if isinstance(plan.recompute, list)
-                       else plan.recompute, "zero": plan.zero}

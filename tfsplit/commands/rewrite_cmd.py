@@ -101,16 +101,10 @@ def define_flags(fv):
 
 
 def run(fv, args):
+  from tfsplit.commands import split_flags  # pylint: disable=import-outside-toplevel
   from tfsplit.runtime import rewrite  # pylint: disable=import-outside-toplevel
-  options = common.values(
-      fv, "output", "mesh", "stages", "layers", "devices", "job", "strategy", "annotate",
-      "microbatches", "schedule", "collective-timeout", "signature", "variables",
-      "virtual-stages", "bucket-mb", "zero", "recompute", "cluster", "devices-per-task",
-      "offload", "offload-device", "task", "gradient-reduce-dtype", "sequence-parallel")
-  if fv.plan:
-    from tfsplit.commands.plan_cmd import rewrite_options  # pylint: disable=import-outside-toplevel
-    options.update(rewrite_options(fv, args[0]))
-  lines = rewrite.rewrite_file(args[0], **options,
-                               across_tasks=tuple(fv["across-tasks"].value))
+  graph_def = rewrite.load_source(args[0], fv.signature, fv.variables)
+  config = split_flags.split_config(fv, graph_def, args[0])
+  lines = rewrite.rewrite_file(args[0], fv.output, config, graph_def=graph_def)
   sys.stdout.write("\n".join(lines) + "\n")
   return 0

@@ -58,19 +58,17 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
   smaller last batch) is split once more over the same shards.
   """
   from tfsplit.keras.flavors import flavor_of  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
-  from tfsplit.runtime.split_function import make_mesh  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import runners  # pylint: disable=import-outside-toplevel
   try:
     flavor = flavor_of(model)
   except TypeError as e:
     raise PlanError(str(e)) from None
+  options = dict(options, strategy=strategy)
   if options.get("plan") is not None:
     # The plan picks the mesh and micro-batches from the traced step, so
     # they are known after the first batch (model.py reads them then).
-    options = dict(options, mesh=None, microbatches=1, strategy=strategy)
     return _split_model_class(flavor)(model, flavor, options, None)
   options.pop("plan", None)
-  _, cluster_mesh = cluster_lib.place(mesh, options.get("cluster"))
-  mesh_axes = dict((cluster_mesh or make_mesh(mesh)).axes)
-  options = dict(options, mesh=mesh, microbatches=microbatches, strategy=strategy)
+  mesh_axes = dict(runners.choose(mesh, options.get("cluster")).place(mesh).axes)
+  options = dict(options, mesh=mesh, microbatches=microbatches)
   return _split_model_class(flavor)(model, flavor, options, mesh_axes)

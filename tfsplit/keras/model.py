@@ -29,7 +29,7 @@ from tfsplit.errors import PlanError, TfsplitError, printable
 from tfsplit.graph.ir import input_node
 from tfsplit.graph.prune import drop_variable_writes
 from tfsplit.keras.flavors import wants_predictions
-from tfsplit.runtime.split_function import SplitFunction
+from tfsplit.runtime.split_function import split
 
 # Where the current weights are (see the module doc).
 MODEL, SHARDS, BOTH = "model", "shards", "both"
@@ -143,11 +143,9 @@ class SplitModelMixin(object):
     signature = [tf.TensorSpec(t.shape, t.dtype) for t in flat]
     concrete = kind.trace.get_concrete_function(*signature)
     try:
-      step = SplitFunction(
-          concrete, variable_names=state.names,
-          prepare=lambda g: drop_variable_writes(g, state.metric_names)[0],
-          shares_with=state.step,
-          **state.options)
+      step = split(concrete, variable_names=state.names,
+                   prepare=lambda g: drop_variable_writes(g, state.metric_names)[0],
+                   shares_with=state.step, **state.options)
     except TfsplitError as e:
       raise type(e)(self._in_keras_terms(str(e))) from None
     if state.step is None:
@@ -155,8 +153,7 @@ class SplitModelMixin(object):
       if getattr(step, "plan", None) is not None:
         # The plan chose the mesh and options: later splits (evaluation, a
         # smaller last batch) take the same ones, and the batch checks too.
-        plan_options = dict(step.plan.split_options())
-        state.options = dict(state.options, plan=None, **plan_options)
+        state.options = {"config": step.config, "cluster": state.options.get("cluster")}
         state.mesh_axes = dict(step.mesh.axes)
       self._report_fallbacks(step)
       written = _written_variables(step.original_graph_def)
@@ -214,7 +211,9 @@ class SplitModelMixin(object):
     if self._tfsplit.mesh_axes is None:
       return  # a plan decides the mesh: the split itself checks the batch
     dp = self._tfsplit.mesh_axes.get("dp", 1)
-    m = int(self._tfsplit.options.get("microbatches", 1) or 1)
+    state = self._tfsplit
+    m = int(state.step.config.microbatches if state.step is not None
+            else state.options.get("microbatches", 1) or 1)
     first = next(t for t in tf.nest.flatten(x) if t is not None)
     batch = int(first.shape[0])
     if batch % (dp * m):

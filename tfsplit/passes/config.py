@@ -108,6 +108,16 @@ class SplitConfig:
   sequence_parallel: bool = False
 
   def __post_init__(self):
+    # One spelling per option: "none" (the CLI's word) is None, mappings and
+    # lists are copied into the frozen record.
+    if self.offload == "none":
+      object.__setattr__(self, "offload", None)
+    if self.recompute == "none":
+      object.__setattr__(self, "recompute", None)
+    object.__setattr__(self, "annotations",
+                       {k: tuple(v) for k, v in dict(self.annotations or {}).items()})
+    if self.layer_ranges is not None:
+      object.__setattr__(self, "layer_ranges", [tuple(r) for r in self.layer_ranges])
     check_mesh_axes(self.mesh.axis_names, self.axis)
     recompute_lib.parse(self.recompute)
     if int(self.microbatches) < 1:
@@ -181,6 +191,30 @@ class SplitConfig:
             f"sequence_parallel does not combine with the {self.schedule} schedule yet (its "
             "weight-gradient blocks would wait for input gradients through the sequence "
             "gathers); use schedule='1f1b' (--schedule 1f1b) or drop sequence_parallel")
+
+  @classmethod
+  def options(cls):
+    """The names of every option (each field but the mesh)."""
+    return tuple(f.name for f in dataclasses.fields(cls) if f.name != "mesh")
+
+  def replace(self, **options):
+    """A copy with `options` changed, checked again."""
+    return dataclasses.replace(self, **options)
+
+  def to_json(self):
+    """Every option as JSON values (the manifest's record of the split);
+    the mesh by its axes (its devices are the manifest's own entry)."""
+    out = {"mesh": dict(self.mesh.axes)}
+    for name in self.options():
+      value = getattr(self, name)
+      if isinstance(value, tuple):
+        value = list(value)
+      elif name == "layer_ranges" and value is not None:
+        value = [list(r) for r in value]
+      elif name == "annotations":
+        value = {k: list(v) for k, v in sorted(value.items())}
+      out[name] = value
+    return out
 
   @property
   def recompute_mode(self):

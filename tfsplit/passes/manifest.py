@@ -21,8 +21,9 @@
          # with offload: a slot's shard lives on its device's host
          # ("device") and names the mesh device it serves ("offloaded_from")
      "outputs": {output: [[device, local tensor], ...]},   # every whole copy
-     "experts": {weight: experts}}        # expert weights split over 'ep' (their
+     "experts": {weight: experts},        # expert weights split over 'ep' (their
                                           # slots follow them), experts stacked in each
+     "config": {option: value}}           # every SplitConfig option of the split
 
 Each shard says which block of its variable it holds (offsets, shape) on
 which device; an optimizer slot split over dp is one block per replica, and
@@ -59,7 +60,8 @@ def build(result, source=None):
           "gradient_reduce": gradient_reduce(result),
           "source": os.path.abspath(source) if source else None,
           "variables": result.manifest, "outputs": result.output_copies,
-          "experts": {e.variable: e.experts for e in getattr(result, "experts", ())}}
+          "experts": {e.variable: e.experts for e in getattr(result, "experts", ())},
+          "config": config.to_json()}
 
 
 def bytes_per_device(variables, names=None):

@@ -34,6 +34,10 @@ class SplitResult:
     return collections.Counter(n.device for n in self.graph_def.node
                                if n.device and n.op not in skip)
 
+  def mesh_record(self):
+    """{'axes', 'devices'} of the mesh asked for: what a checkpoint records."""
+    return {"axes": dict(self.config.mesh.axes), "devices": list(self.config.mesh.devices)}
+
   def manifest_dict(self, source=None):
     from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
     return manifest_lib.build(self, source)

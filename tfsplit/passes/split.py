@@ -527,19 +527,15 @@ def run_passes(graph_def, config):
                      state.offloaded_nodes, state.task_part, tuple(state.experts))
 
 
-def split_graph(graph_def, mesh, strategy="megatron", annotations=None,
-                timeout_seconds=None, axis=None, microbatches=1, schedule="1f1b",
-                layer_ranges=None, balance="cost", virtual_stages=1,
-                bucket_bytes=DEFAULT_BUCKET_BYTES, recompute=None, zero=0,
-                offload=None, offload_device=None, task=None, gradient_reduce_dtype=None,
-                sequence_parallel=False):
-  """Splits `graph_def` over `mesh` (see SplitConfig for the options)."""
-  config = SplitConfig(mesh, strategy, dict(annotations or {}), microbatches, schedule,
-                       layer_ranges, timeout_seconds, axis, balance, virtual_stages,
-                       bucket_bytes=bucket_bytes, recompute=recompute, zero=zero,
-                       offload=offload, offload_device=offload_device, task=task,
-                       gradient_reduce_dtype=gradient_reduce_dtype,
-                       sequence_parallel=sequence_parallel)
+def split_graph(graph_def, config, **options):
+  """Splits `graph_def` under `config`, a SplitConfig. A Mesh in its place
+  with SplitConfig's fields as keywords is the short form
+  (split_graph(g, mesh, microbatches=2)); keywords beside a SplitConfig
+  replace its fields."""
+  if not isinstance(config, SplitConfig):
+    config = SplitConfig(config, **options)
+  elif options:
+    config = config.replace(**options)
   return run_passes(graph_def, config)
 
 

@@ -7,7 +7,7 @@ a reserve of each device's memory free.
     plan, result = plan_graph(graph_def, devices=8, device_memory="16GB",
                               cluster="h100-80gb")
     split_graph(graph_def, Mesh.parse(plan.mesh), **other options of
-                plan.split_options(graph_def))
+                plan.options(graph_def))
 
 entry.py holds the entry points re-exported here; profile.py turns the
 graph into one row per layer, space.py prices a candidate from those rows,

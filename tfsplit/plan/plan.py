@@ -84,22 +84,30 @@ class Plan:
 
   def bind(self, graph_def, analysis=None):
     """A copy of the plan tied to `graph_def` (the graph it was made for;
-    `analysis`: its Analysis, if the caller has one): what split_options
+    `analysis`: its Analysis, if the caller has one): what options
     needs of it is kept, so it is called without the graph."""
     return dataclasses.replace(
         self, bound_annotations=replicated_annotations(graph_def, self.replicate, analysis)
         if self.replicate else {})
 
-  def split_options(self, graph_def=None):
-    """Keyword arguments of tfsplit.passes.split_graph / tfsplit.split.
-    Replicated blocks become annotations of their weights, which need the
-    graph (`graph_def`, the one the plan was made for, or `bind` first)."""
+  # The SplitConfig fields a plan always sets (offload and sequence
+  # parallelism only when it has them; its replicated blocks add annotations).
+  PLANNED = ("mesh", "microbatches", "schedule", "layer_ranges", "virtual_stages",
+             "recompute", "zero")
+
+  def options(self, graph_def=None):
+    """{SplitConfig field: value} the plan sets (mesh as its text; with
+    replicated blocks, their weights' annotations, which need the graph:
+    `graph_def`, the one the plan was made for, or `bind` first)."""
     options = {"mesh": self.mesh, "microbatches": self.microbatches,
                "schedule": self.schedule, "virtual_stages": self.virtual_stages,
                "layer_ranges": [tuple(r) for r in self.layer_ranges]
                                if self.layer_ranges else None,
-               "recompute": self.recompute_option, "zero": self.zero,
-               "offload": self.offload, "sequence_parallel": self.sequence_parallel}
+               "recompute": self.recompute_option, "zero": self.zero}
+    if self.offload:
+      options["offload"] = self.offload
+    if self.sequence_parallel:
+      options["sequence_parallel"] = True
     if self.replicate:
       if graph_def is not None:
         options["annotations"] = replicated_annotations(graph_def, self.replicate)
@@ -107,8 +115,38 @@ class Plan:
         options["annotations"] = dict(self.bound_annotations)
       else:
         raise PlanError(f"the plan replicates {', '.join(self.replicate)}: applying it "
-                        "needs the graph (Plan.split_options(graph_def))")
+                        "needs the graph (Plan.options(graph_def), or bind it first)")
     return options
+
+  def refuse(self, given, names=None):
+    """PlanError naming the first option in `given` ({SplitConfig field:
+    value} the user set besides the plan) that the plan sets otherwise;
+    annotations add to the plan's, sequence parallelism may be asked on top.
+    `names`: {field: how the user spelled it} (a command's flags)."""
+    planned = self.options()
+    for name, value in given.items():
+      if name in ("annotations", "sequence_parallel") or name not in planned:
+        continue
+      if _same(name, value, planned[name]):
+        continue
+      said = (names or {}).get(name, name)
+      raise PlanError(f"the plan sets {said} {_shown(planned[name])} but {said} "
+                      f"{_shown(value)} is given too; give either the plan or {said}")
+
+  def apply(self, config, given=None):
+    """`config` (a SplitConfig whose mesh is the plan's, placed by the caller)
+    with the plan's choices, by dataclasses.replace; `given`: the options
+    the user set besides the plan (see refuse)."""
+    from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
+    self.refuse(given or {})
+    options = self.options()
+    if dict(config.mesh.axes) != Mesh.parse(options.pop("mesh")).axes:
+      raise PlanError(f"the plan is for mesh {self.mesh}, the config's mesh is "
+                      f"{config.mesh}; place the plan's mesh")
+    options["annotations"] = {**config.annotations, **options.get("annotations", {})}
+    options["sequence_parallel"] = bool(options.get("sequence_parallel") or
+                                        config.sequence_parallel)
+    return dataclasses.replace(config, **options)
 
   def to_json(self):
     return {"format": FORMAT, "version": VERSION, "graph": self.graph,
@@ -149,6 +187,33 @@ class Plan:
     if self.devices > available:
       raise PlanError(f"the plan is for {self.devices} devices but {available} are "
                       f"available; make a plan for {available} devices or provide more")
+
+
+def _normal(name, value):
+  """`value` of option `name` in one spelling, to compare a user's with a plan's."""
+  if name == "mesh":
+    from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
+    if isinstance(value, Mesh):
+      return dict(value.axes)
+    return Mesh.parse(value).axes if isinstance(value, str) else dict(value)
+  if value == "none":
+    return None
+  if isinstance(value, (list, tuple)):
+    return tuple(_normal(None, v) for v in value)
+  return value
+
+
+def _same(name, a, b):
+  return _normal(name, a) == _normal(name, b)
+
+
+def _shown(value):
+  if isinstance(value, dict):
+    return ",".join(f"{k}={v}" for k, v in value.items())
+  if isinstance(value, (list, tuple)):
+    return ",".join(":".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
+                    for v in value)
+  return str(value)
 
 
 def _glob_escape(name):

@@ -8,120 +8,53 @@ import collections
 import time
 
 from tfsplit import constants
-from tfsplit.errors import TfsplitError
 
 
-def parse_annotation(text):
-  """'VARIABLE_GLOB=DIMS' (e.g. '*/fc1/kernel=-,tp') -> (glob, dims)."""
-  pattern, sep, dims = text.rpartition("=")
-  if not sep or not pattern:
-    raise TfsplitError(f"cannot read --annotate '{text}'; write VARIABLE_GLOB=DIMS, e.g. "
-                       "'*/fc1/kernel=-,tp'")
-  return pattern, tuple(None if d.strip() in ("-", "", "none") else d.strip()
-                        for d in dims.split(","))
-
-
-def parse_layer_ranges(text):
-  """'0:3,3:6' -> [(0, 3), (3, 6)]; None for None."""
-  if not text:
-    return None
-  try:
-    return [tuple(int(x) for x in part.split(":")) for part in text.split(",")]
-  except ValueError:
-    raise TfsplitError(f"cannot read --layers '{text}'; write start:end ranges, "
-                       "e.g. 0:3,3:6") from None
-
-
-def make_mesh(mesh="tp=2", stages=1, devices="cpu", job="localhost", cluster=None,
-              across=None, devices_per_task=None):
-  """The Mesh of `mesh` axes (with a 'pp' axis of `stages` in front when > 1)
-  over devices of type `devices` ('cpu' or 'gpu') of job `job`; with
-  `cluster` ('TF_CONFIG', a spec file, a ClusterResolver: runtime/cluster.py)
-  over its tasks, the `across` axes (default dp, pp) across tasks."""
-  from tfsplit.layout.mesh import Mesh  # pylint: disable=import-outside-toplevel
-  axes = Mesh.parse(mesh).axes
-  if stages > 1:
-    if constants.PIPELINE_AXIS in axes:
-      raise TfsplitError("give the pipeline either as --stages or as pp= in --mesh, "
-                         "not both")
-    axes = {constants.PIPELINE_AXIS: stages, **axes}
-  size = 1
-  for s in axes.values():
-    size *= s
-  kind = devices.upper()
-  if cluster is not None:
-    from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
-    found = cluster if isinstance(cluster, cluster_lib.Cluster) else cluster_lib.resolve(
-        cluster, devices_per_task=devices_per_task, required=True)
-    found.kind = kind if devices != "cpu" else found.kind
-    return cluster_lib.mesh_on_cluster(axes, found, tuple(across or
-                                                          cluster_lib.DEFAULT_ACROSS))
-  return Mesh(axes, [f"/job:{job}/replica:0/task:0/device:{kind}:{i}" for i in range(size)])
-
-
-def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cpu",
-                 job="localhost", strategy="megatron", annotate=(), microbatches=1,
-                 schedule="1f1b", collective_timeout=600.0, signature=None,
-                 variables=None, virtual_stages=1, bucket_mb=25.0, zero=0,
-                 recompute="none", cluster=None, across_tasks=None, devices_per_task=None,
-                 offload="none", offload_device=None, task=None, gradient_reduce_dtype=None,
-                 sequence_parallel=False):
-  """Splits the graph at `source` and writes it to `output` with its manifest.
-
-  cluster / across_tasks / devices_per_task: place the mesh on a cluster's
-  worker tasks (see make_mesh). task: with a cluster, write only that
-  task's part (sharding/tasks.py); the manifest still lists every shard.
-
-  bucket_mb: gradient bucket size in MiB (0: one all-reduce per gradient).
-  recompute: none, blocks, selective, auto or 'scope1,scope2' (memory/recompute.py).
-  zero: optimizer-state sharding stage over dp (0, 1 or 2).
-  offload / offload_device: 'optimizer' keeps optimizer slots and their
-  update ops on each device's host CPU, or on `offload_device` (memory/offload.py).
-  gradient_reduce_dtype: 'bfloat16' reduces float32 gradients over dp in it
-  (half the bytes, no longer float32-exact: see SplitConfig).
-  sequence_parallel: split the regions between tensor-parallel blocks over
-  the sequence (strategies/sequence_parallel.py).
-  Returns the summary lines of what was done.
-  """
+def rewrite_file(source, output, config, signature=None, variables=None, graph_def=None):
+  """Splits the graph at `source` under `config` (a SplitConfig) and writes
+  it to `output` with its manifest; returns the summary lines of what was
+  done. signature / variables: how to load it (graph.load_graph);
+  graph_def: the graph already loaded from `source`."""
   from tfsplit.fileio import write_atomically  # pylint: disable=import-outside-toplevel
-  from tfsplit.graph import load_graph, recover, save_graph  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import manifest as manifest_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.graph import save_graph  # pylint: disable=import-outside-toplevel
   t0 = time.perf_counter()
-  graph_def = load_graph(source, signature=signature, variables_from=variables)
-  recover.require_variable_shapes(graph_def, source)
-  if task is not None and cluster is None:
-    from tfsplit.errors import PlanError  # pylint: disable=import-outside-toplevel
-    raise PlanError("--task needs --cluster: a task is one of the cluster's workers")
-  the_mesh = make_mesh(mesh, stages, devices, job, cluster, across_tasks, devices_per_task)
-  layer_ranges = parse_layer_ranges(layers)
-  result = split_graph(graph_def, the_mesh, strategy=strategy,
-                       annotations=dict(parse_annotation(a) for a in annotate),
-                       timeout_seconds=collective_timeout, microbatches=microbatches,
-                       schedule=schedule, layer_ranges=layer_ranges,
-                       virtual_stages=virtual_stages,
-                       bucket_bytes=int(round(bucket_mb * 2**20)), zero=zero,
-                       recompute=recompute,
-                       offload=None if offload in (None, "none") else offload,
-                       offload_device=offload_device, task=task,
-                       gradient_reduce_dtype=gradient_reduce_dtype,
-                       sequence_parallel=sequence_parallel)
+  if graph_def is None:
+    graph_def = load_source(source, signature, variables)
+  result = split_graph(graph_def, config)
   manifest_text = result.manifest_json(source=source)
   save_graph(result.graph_def, output)
   write_atomically(manifest_lib.manifest_path(output), manifest_text)
+  lines = [f"rewrote {source} over mesh {config.mesh} ({config.strategy}) in "
+           f"{time.perf_counter() - t0:.2f} s"]
+  lines += summary(graph_def, result)
+  lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
+  return lines
+
+
+def load_source(source, signature=None, variables=None):
+  """The graph at `source`, its variables' shapes required."""
+  from tfsplit.graph import load_graph, recover  # pylint: disable=import-outside-toplevel
+  graph_def = load_graph(source, signature=signature, variables_from=variables)
+  recover.require_variable_shapes(graph_def, source)
+  return graph_def
+
+
+def summary(graph_def, result):
+  """The lines saying what a split of `graph_def` did."""
+  config = result.config
   split_vars = sum(1 for e in result.manifest.values() if any(e["sharding"]))
-  lines = [f"rewrote {source} over mesh {the_mesh} ({strategy}) in "
-           f"{time.perf_counter() - t0:.2f} s",
-           f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} "
+  lines = [f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} "
            f"of {len(result.manifest)} variables split"]
   lines.append(_ops_per_device_line(graph_def, result))
-  if result.partition and virtual_stages > 1:
-    lines.append(f"  pipeline: {result.config.stages} stages x {virtual_stages} virtual "
-                 f"stages, chunks {result.partition}, {schedule} over {microbatches} "
-                 "micro-batches")
+  if result.partition and config.virtual_stages > 1:
+    lines.append(f"  pipeline: {config.stages} stages x {config.virtual_stages} virtual "
+                 f"stages, chunks {result.partition}, {config.schedule} over "
+                 f"{config.microbatches} micro-batches")
   elif result.partition:
     lines.append(f"  pipeline: {len(result.partition)} stages {result.partition}, "
-                 f"{schedule} over {microbatches} micro-batches")
+                 f"{config.schedule} over {config.microbatches} micro-batches")
   lines.append(f"  collectives: {result.count('all_reduce')} all-reduce, "
                f"{result.count('local_sum')} micro-batch sums, "
                f"{result.count('all_gather')} all-gather; {len(result.fallbacks)} "
@@ -139,6 +72,20 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
     lines.append(f"  stage boundaries: {count} tensors, "
                  + ", ".join(f"{mb:.3g} MB {dtype}" for dtype, mb in by_dtype)
                  + " per step (forward and backward, all micro-batches)")
+  lines += _bucket_lines(result)
+  if config.recompute_mode is not None:
+    from tfsplit.memory import recompute as recompute_lib  # pylint: disable=import-outside-toplevel
+    lines.append("  " + recompute_lib.graph_summary(result.graph_def, config.recompute_mode))
+  if config.offload:
+    from tfsplit.memory import offload as offload_lib  # pylint: disable=import-outside-toplevel
+    lines.append(offload_lib.summary(result.manifest, result.offloaded_nodes))
+  lines += [f"  fallback: {msg}" for msg in result.fallbacks]
+  return lines
+
+
+def _bucket_lines(result):
+  """The gradient buckets' line, and optimizer-state sharding's lines."""
+  config, lines = result.config, []
   buckets = [c for c in result.collectives if c.kind == "bucket"]
   if buckets:
     per_group = collections.Counter(c.devices for c in buckets)
@@ -146,24 +93,15 @@ def rewrite_file(source, output, mesh="tp=2", stages=1, layers=None, devices="cp
     lines.append(f"  gradient buckets: {len(packed)} all-reduces over "
                  f"{'/'.join(sorted({c.axis for c in buckets}))} packed into "
                  f"{max(per_group.values())} bucket(s) per group ({len(per_group)} "
-                 f"group(s), at most {bucket_mb:g} MiB each)")
-  scattered = [c for c in result.collectives
-               if c.kind in ("reduce_scatter_bucket", "all_gather_bucket")]
-  if zero:
+                 f"group(s), at most {config.bucket_bytes / 2**20:g} MiB each)")
+  if config.zero:
     from tfsplit.sharding import zero as zero_lib  # pylint: disable=import-outside-toplevel
+    scattered = [c for c in result.collectives
+                 if c.kind in ("reduce_scatter_bucket", "all_gather_bucket")]
     lines.append(f"  optimizer-state sharding: {result.count('reduce_scatter')} "
                  f"reduce-scatters, {result.count('all_gather')} all-gathers, in "
                  f"{len(scattered)} bucket(s)")
-    lines += zero_lib.summary(result.manifest, the_mesh.axes, zero)
-  if result.config.recompute_mode is not None:
-    from tfsplit.memory import recompute as recompute_lib  # pylint: disable=import-outside-toplevel
-    lines.append("  " + recompute_lib.graph_summary(result.graph_def,
-                                                     result.config.recompute_mode))
-  if result.config.offload:
-    from tfsplit.memory import offload as offload_lib  # pylint: disable=import-outside-toplevel
-    lines.append(offload_lib.summary(result.manifest, result.offloaded_nodes))
-  lines += [f"  fallback: {msg}" for msg in result.fallbacks]
-  lines.append(f"wrote {output} and {manifest_lib.manifest_path(output)}")
+    lines += zero_lib.summary(result.manifest, config.mesh.axes, config.zero)
   return lines
 
 

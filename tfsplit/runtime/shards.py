@@ -65,10 +65,15 @@ def full_values(manifest, shard_values_by_name, rtol=compare_lib.DEFAULT_RTOL):
 _SHARD_VARIABLE_NAME = "tfsplit_shard"
 
 
-@without_gc
 def create_shard_variables(manifest, full_values_by_name):
   """{shard name: tf.Variable on its device} initialised from full values."""
-  values = shard_values(manifest, full_values_by_name)
+  return create_variables(manifest, shard_values(manifest, full_values_by_name))
+
+
+@without_gc
+def create_variables(manifest, values):
+  """{shard name: tf.Variable on its device} initialised from `values`
+  ({shard name: value}, every shard of `manifest`)."""
   by_device = {}
   for entry in manifest.values():
     for shard in entry["shards"]:

@@ -1,0 +1,239 @@
+"""Where a split step runs: one interface, three runners.
+
+    runner = choose(mesh, cluster)            # which of the three, from the cluster
+    config = runner.configure(SplitConfig(runner.place(mesh), ...))
+    result = split_graph(graph_def, config)
+    runner.start(graph_def, result, shard_source)   # create and initialise shards
+    outputs = runner.call(args)
+
+- LocalRunner: the mesh on this process's devices; shards are tf.Variables,
+  the step a function imported over them (runtime/graph_function.py).
+- ClientRunner: one client over a cluster's worker tasks (TF_CONFIG or
+  cluster= naming a cluster, not this process's task): a Session on task
+  0's master drives every task (runtime/cluster.py); calls return numpy.
+- TaskRunner: this process is one task of the cluster (every worker runs the
+  script, TF_CONFIG naming its task): it splits and runs only its task's
+  part, on its own server (runtime/multi_client.py), and holds only its
+  task's shards.
+
+Every runner places a mesh, sets what its way of running means for the
+split's config (a task's index, a timeout on collectives), creates its
+shards from `shard_source(manifest)` ({shard name: value} for the shards it
+holds) or shares another runner's, runs and traces a step, reads and writes
+shards, assembles full values and saves checkpoints. What a runner cannot do
+is its own one-line refusal: a task holds no full values. tfsplit.split's
+SplitFunction delegates all of it and never asks which runner it has.
+"""
+import numpy as np
+
+from tfsplit.errors import PlanError
+from tfsplit.layout.mesh import Mesh
+from tfsplit.runtime import checkpoint as checkpoint_lib
+from tfsplit.runtime import cluster as cluster_lib
+from tfsplit.runtime import multi_client
+from tfsplit.runtime import placement
+from tfsplit.runtime import shards as shards_lib
+
+
+def choose(mesh=None, cluster=None):
+  """The runner of a split of `mesh` with `cluster` (tfsplit.split's
+  keywords): a Mesh given with its devices runs in this process; else a
+  cluster (cluster=, or TF_CONFIG naming one when cluster is None) runs on
+  its tasks, by this process's task alone when TF_CONFIG names it; else this
+  process's devices."""
+  if isinstance(mesh, Mesh):
+    return LocalRunner()
+  found = cluster if isinstance(cluster, cluster_lib.Cluster) else \
+      cluster_lib.resolve(cluster)
+  if found is None:
+    return LocalRunner()
+  if multi_client.own_task(found) is not None:
+    return TaskRunner(found)
+  return ClientRunner(found)
+
+
+class Runner(object):
+  """The interface (see the module doc); subclasses fill in how."""
+
+  cluster = None
+  variables = None   # {shard name: tf.Variable} where this process holds them
+
+  def __init__(self):
+    self.result = None
+    self.manifest = None     # the shards this runner holds
+
+  def place(self, mesh):
+    """The Mesh of `mesh` ('dp=2', a dict, a Mesh) on this runner's devices."""
+    return placement.make_mesh(mesh)
+
+  def available(self):
+    """How many devices a plan may use here (None: the cluster's, unknown)."""
+    return None
+
+  def configure(self, config):
+    """`config` (a SplitConfig) with what this way of running sets."""
+    return config
+
+  @property
+  def task_inputs(self):
+    """{input: {"begin", "shape", "global_shape"}} of this task's share of
+    each input; None where the step takes the whole batch."""
+    return None
+
+  def local_batch(self, inputs):
+    """The part of a global batch (every input, in order) this runner's step
+    takes: all of it, but on a task of a cluster."""
+    return tuple(inputs)
+
+  def held(self, manifest):
+    """The part of a split's manifest whose shards this runner holds."""
+    return manifest
+
+  def start(self, original_graph_def, result, shard_source, shares_with=None):
+    """Creates and initialises the shards this runner holds from
+    shard_source(manifest) ({shard name: value}), or uses those of
+    `shares_with` (another runner of a split of the same model), and makes
+    the step runnable."""
+    raise NotImplementedError
+
+  def call(self, args):
+    """The step's outputs (a list) for `args`."""
+    raise NotImplementedError
+
+  def trace(self, args):
+    """(outputs, [(device, node, start_us, end_us)]) of one step."""
+    raise NotImplementedError
+
+  def assign(self, values):
+    """{shard name: value} into the shards."""
+    raise NotImplementedError
+
+  def shard_values(self):
+    """{shard name: numpy value} of every shard this runner holds."""
+    raise NotImplementedError
+
+  def full_values(self):
+    """{variable name: numpy value} assembled from the shards."""
+    return shards_lib.full_values(self.manifest, self.shard_values())
+
+  def save(self, directory, step, keep):
+    """Checkpoints the shards into DIR/ckpt-<step>; returns its path."""
+    mesh = self.result.mesh_record()
+    return checkpoint_lib.save(directory, self.manifest, self.shard_values(), step, mesh,
+                               keep)
+
+
+class LocalRunner(Runner):
+  """This process's devices; shards are tf.Variables."""
+
+  def available(self):
+    return len(placement.available_devices())
+
+  def start(self, original_graph_def, result, shard_source, shares_with=None):
+    from tfsplit.runtime.graph_function import import_graph  # pylint: disable=import-outside-toplevel
+    self.result, self.manifest = result, self.held(result.manifest)
+    if shares_with is not None:
+      self.variables = {s["name"]: shares_with.variables[s["name"]]
+                        for e in self.manifest.values() for s in e["shards"]}
+    else:
+      self.variables = shards_lib.create_variables(self.manifest,
+                                                   shard_source(self.manifest))
+    self._fn = import_graph(result.graph_def, self.variables)
+
+  def call(self, args):
+    return list(self._fn(*args))
+
+  def trace(self, args):
+    from tfsplit.runtime.graph_function import traced_call  # pylint: disable=import-outside-toplevel
+    outputs, events = traced_call(self._fn, args, self.result.graph_def)
+    return list(outputs), events
+
+  def assign(self, values):
+    for name, value in values.items():
+      self.variables[name].assign(value)
+
+  def shard_values(self):
+    return {k: v.numpy() for k, v in self.variables.items()}
+
+
+class ClientRunner(Runner):
+  """One Session client driving every task of a cluster; numpy outputs."""
+
+  def __init__(self, cluster):
+    super().__init__()
+    self.cluster = cluster
+    self.session = None
+
+  def place(self, mesh):
+    return placement.make_mesh(mesh, cluster=self.cluster)
+
+  def configure(self, config):
+    if config.timeout_seconds is None:
+      config = config.replace(timeout_seconds=cluster_lib.DEFAULT_TIMEOUT_SECONDS)
+    return config
+
+  def _session(self, graph_def, values, original_graph_def, config):
+    return cluster_lib.ClusterRunner(graph_def, values, self.cluster,
+                                     config.timeout_seconds)
+
+  def start(self, original_graph_def, result, shard_source, shares_with=None):
+    self.result, self.manifest = result, self.held(result.manifest)
+    # Shared shards already live in the workers' containers: no new values.
+    values = None if shares_with is not None else shard_source(self.manifest)
+    self.session = self._session(result.graph_def, values, original_graph_def,
+                                 result.config)
+
+  def call(self, args):
+    outputs, _ = self.session.run([np.asarray(a) for a in args])
+    return list(outputs)
+
+  def trace(self, args):
+    from tfsplit.runtime import trace as trace_lib  # pylint: disable=import-outside-toplevel
+    outputs, metadata = self.session.run([np.asarray(a) for a in args], trace=True)
+    return list(outputs), trace_lib.op_events(metadata)
+
+  def assign(self, values):
+    self.session.assign(values)
+
+  def shard_values(self):
+    return self.session.variable_values(
+        [s["name"] for e in self.manifest.values() for s in e["shards"]])
+
+
+class TaskRunner(ClientRunner):
+  """This process's task of a cluster: its part of the split, its shards."""
+
+  @property
+  def task(self):
+    return multi_client.own_task(self.cluster)
+
+  def configure(self, config):
+    multi_client.check_tasks(config.mesh, self.cluster)
+    multi_client.local_server(self.cluster)  # peers can reach it while we split
+    return super().configure(config).replace(task=self.task)
+
+  def held(self, manifest):
+    return multi_client.task_shards(manifest, self.task)
+
+  @property
+  def task_inputs(self):
+    return self.result.task.inputs
+
+  def local_batch(self, inputs):
+    shares = list(self.task_inputs.values())
+    return tuple(np.asarray(x)[tuple(slice(b, b + n) for b, n in
+                                     zip(share["begin"], share["shape"]))]
+                 for x, share in zip(inputs, shares))
+
+  def _session(self, graph_def, values, original_graph_def, config):
+    return multi_client.TaskRunner(graph_def, values, self.cluster, config.timeout_seconds,
+                                   multi_client.plan_fingerprint(original_graph_def, config))
+
+  def full_values(self):
+    raise PlanError("each worker holds only its task's shards (shard_values()); the "
+                    "full values are the checkpoint's (save(), then "
+                    "tfsplit.runtime.shards.full_values_from_checkpoint)")
+
+  def save(self, directory, step, keep):
+    return checkpoint_lib.save_task(directory, self.result.manifest, self.shard_values(),
+                                    step, self.task, self.result.mesh_record(), keep)
