@@ -1,5 +1,6 @@
-"""The split's constant sweeps (passes/split.py): unread device copies
-dropped, identical constants on one device made one."""
+"""The split's constant sweeps (sharding/materialize.py lean_constants, run
+as the lean_constants pass): unread device copies dropped, identical
+constants on one device made one."""
 import types
 
 import numpy as np
@@ -81,6 +82,7 @@ def test_constant_sweeps_keep_what_every_op_reads():
   assert list(nodes["b"].input) == ["c4", "c1"]
   assert sorted(state.materialized.records) == sorted(nodes)
   assert inputs_come_first(graph_def)
+  assert state.inputs_come_first is True   # the sweep's finding, kept for check_acyclic
 
 
 def _constant_reads(graph_def):

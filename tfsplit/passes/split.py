@@ -58,12 +58,11 @@ from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.counted_reductions import counted_logical_reductions
 from tfsplit.graph.gradients import rowwise_gradients
-from tfsplit.graph.ir import (delete_positions, input_node, inputs_come_first, parse_input,
-                              without_gc)
+from tfsplit.graph.ir import inputs_come_first, without_gc
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
 from tfsplit.passes.analysis import Analysis
-from tfsplit.passes.config import DEFAULT_BUCKET_BYTES, SplitConfig
+from tfsplit.passes.config import SplitConfig
 from tfsplit.passes.result import SplitResult
 from tfsplit.passes.tasks import extract_task, task_devices
 from tfsplit.pipeline import microbatches as microbatch_lib
@@ -71,9 +70,8 @@ from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.graph.endpoints import graph_inputs, graph_outputs
 from tfsplit.sharding import buckets as buckets_lib
-from tfsplit.sharding import builder as builder_lib
 from tfsplit.sharding import zero as zero_lib
-from tfsplit.sharding.materialize import materialize
+from tfsplit.sharding import materialize as materialize_lib
 from tfsplit.layout.mesh import is_gpu
 from tfsplit.sharding.propagate import propagate
 from tfsplit.layout.spec import Sharding
@@ -240,114 +238,23 @@ def materialize_devices(state):
   (nothing but collectives crosses tasks then, and every task makes its
   collectives, and their keys, in the same order)."""
   analysis = state.analysis
-  state.materialized = materialize(analysis.graph, analysis.shapes, state.mesh,
-                                   state.propagation, analysis.variables,
-                                   state.config.timeout_seconds, state.stage_of,
-                                   scatter_microbatches=state.config.zero >= 2,
-                                   moved=state.offload.nodes if state.offload else (),
-                                   only=task_devices(state))
+  state.materialized = materialize_lib.materialize(
+      analysis.graph, analysis.shapes, state.mesh, state.propagation, analysis.variables,
+      state.config.timeout_seconds, state.stage_of,
+      scatter_microbatches=state.config.zero >= 2,
+      moved=state.offload.nodes if state.offload else (), only=task_devices(state))
   if state.zero is not None:
     zero_lib.annotate_manifest(state.materialized.manifest, state.zero, analysis.variables)
 
 
 def check_microbatch_independence(state):
   """Refuses a micro-batch whose work needs another micro-batch's activations
-  (a batch statistic in training, a loss normalised by a sum over computed
-  values, an op with no rule that keeps the batch split): micro-batching
-  would then save no memory, or could not be ordered. What depends on no
-  variable (masks, position ids, token counts) may be gathered over
-  micro-batches: it is built from the inputs alone.
-
-  The coupling is either direct (a micro-batch's op reads the whole or the
-  sum over micro-batches of a computed tensor) or through ops that run once
-  on the whole batch: the gathered tensor feeds a replicated op whose result
-  flows back into every micro-batch's work. The message names the tensor,
-  the micro-batch op that needs it, the whole-batch op between them and why
-  it runs on the whole batch."""
-  mb = constants.MICROBATCH_AXIS
-  if state.mesh.axes.get(mb, 1) <= 1:
-    return
+  (pipeline/microbatches.py check_independence): micro-batching would then
+  save no memory, or could not be ordered."""
   analysis, out = state.analysis, state.materialized
-  per_microbatch = {r.source for r in out.records.values()
-                    if not r.shared and r.device_id is not None}
-  # A micro-batch's forward and backward ops; the step's outputs are made
-  # whole after every micro-batch.
-  work = {n for n in per_microbatch
-          if analysis.roles.get(n) in (constants.FORWARD, constants.BACKWARD)}
-  work -= set(graph_outputs(analysis.graph))
-  fallbacks = {f.node: f for f in state.propagation.fallbacks}
-  checked = set()
-  for record in out.collectives:
-    if record.kind not in ("local_concat", "local_sum") or record.axis != mb:
-      continue
-    source = input_node(record.tensor)
-    if record.consumer == source or source in analysis.variable_free or \
-        record.tensor in checked:
-      continue  # the step's output, made whole after every micro-batch
-    checked.add(record.tensor)
-    whole = "sum" if record.kind == "local_sum" else "whole batch"
-    coupled = _microbatch_work_after(analysis.graph, record.tensor, per_microbatch, work)
-    if coupled is None:
-      continue
-    reader, first, last = coupled
-    op = analysis.graph.node(reader).op
-    first = first or reader
-    first_op = analysis.graph.node(first).op
-    if first in fallbacks:
-      why = (f"{fallbacks[first].reason}: tfsplit cannot keep op {first_op} split "
-             "along the batch")
-      fix = (f"use microbatches=1 (data parallelism alone stays exact) until op "
-             f"{first_op} has a batch rule")
-    elif first == reader:
-      raise PlanError(
-          f"node '{reader}' (op {op}) needs the {whole} of '{record.tensor}' over all "
-          f"{state.mesh.axes[mb]} micro-batches, which depends on the model's weights: "
-          "each micro-batch would wait for every other one's activations (a batch "
-          "statistic such as BatchNormalization in training, or a loss normalised by a "
-          "sum of computed values); use microbatches=1 for this model, or make the "
-          "statistic per micro-batch")
-    else:
-      why = "a statistic of the whole batch"
-      fix = ("make the statistic per micro-batch (per example or per sequence, as a "
-             "sequence-wise auxiliary loss is), or use microbatches=1")
-    if first == reader:
-      needs = "each micro-batch's copy of it needs every micro-batch's activations"
-    else:
-      through = "" if last == first else f" through '{last}' (op {analysis.graph.node(last).op})"
-      needs = (f"each micro-batch's node '{reader}' (op {op}) needs its result{through}, "
-               "so every micro-batch would wait for all the others' activations")
-    raise PlanError(
-        f"micro-batches are not independent: node '{first}' (op {first_op}) runs on "
-        f"the whole batch ({why}) and reads the {whole} of '{record.tensor}' over all "
-        f"{state.mesh.axes[mb]} micro-batches, which depends on the model's weights; "
-        f"{needs}; {fix}")
-
-
-def _microbatch_work_after(graph, tensor, per_microbatch, work):
-  """(micro-batch op, first whole-batch op, last whole-batch op) of the
-  first forward or backward op of a micro-batch that `tensor`'s gathered
-  value reaches through ops that run once on the whole batch (the first
-  reads the gathered value, the micro-batch op reads the last); the
-  whole-batch ops are None where a micro-batch op reads the value itself.
-  None if it reaches no micro-batch's work (only outputs and updates)."""
-  name, port = parse_input(tensor)
-  start = [c for c, _ in graph.consumers(name, port)]
-  for consumer in start:
-    if consumer in work:
-      return consumer, None, None
-  seen, stack = set(), [(c, c) for c in start if c not in per_microbatch]
-  while stack:
-    node, first = stack.pop()
-    if node in seen:
-      continue
-    seen.add(node)
-    for consumer, _ in graph.consumers(node):
-      if consumer in per_microbatch:
-        if consumer in work:
-          return consumer, first, node
-      elif consumer not in seen:
-        stack.append((consumer, first))
-  return None
+  microbatch_lib.check_independence(analysis.graph, analysis.roles, analysis.variable_free,
+                                    out.records, out.collectives,
+                                    state.propagation.fallbacks, state.mesh)
 
 
 def order_work(state):
@@ -408,85 +315,12 @@ def offload_optimizer(state):
 
 def lean_constants(state):
   """Removes the device copies of constants that nothing reads, and makes the
-  identical constants on each device one.
-
-  A rule's localize gives a device its own shape or size constant, and
-  folding leaves the leaves of shape arithmetic unread, so the global
-  constant's copy on each device goes unread; and every device gets its own
-  copy of every constant a copied op reads, most of them equal. TF would
-  prune and merge them before the first step, but first every tool would
-  carry them (about a third of a split graph's nodes): the acyclic check,
-  the written graph, its import, Grappler at the first call.
-
-  Constants are the same when their device, dtype, value and other attrs
-  are (the per-node records aside, which name each copy's original). The
-  copies of the graph's outputs stay (in a graph whose outputs are not
-  marked, every unread node counts as one), and so do a constant with an
-  input (a control edge) or one another node is colocated with. A removed
-  duplicate's readers read the first of its kind, which keeps the node order
-  topological; removed nodes' records go with them. One scan of the graph
-  and one deletion, since a scan of a large split graph is not free. The
-  scan also records whether every input
-  names an earlier node (state.inputs_come_first), which the acyclic check
-  would otherwise scan for again."""
-  out = state.materialized
-  graph_def = out.graph_def
-  outputs = set(graph_outputs(state.analysis.graph))
-  read, colocated, consts, const_readers = set(), set(), [], []
-  seen = {}  # node so far -> whether it is a Const
-  ordered = True
-  for position, node in enumerate(graph_def.node):
-    reads_constant = False
-    for text in node.input:
-      name = text[1:] if text[:1] == "^" else text.partition(":")[0]
-      read.add(name)
-      is_const = seen.get(name)
-      if is_const is None:
-        ordered = False
-      elif is_const:
-        reads_constant = True
-    if reads_constant:
-      const_readers.append(node)
-    name = node.name
-    if name in seen:
-      ordered = False  # defined twice: Graph says so
-    is_const = seen[name] = node.op == "Const"
-    if is_const:
-      consts.append((position, node))
-    if "_class" in node.attr:
-      colocated.update(s.decode()[len("loc:@"):] for s in node.attr["_class"].list.s)
-  doomed, first, renamed = [], {}, {}
-  for position, node in consts:
-    name = node.name
-    if getattr(out.records.get(name), "source", None) in outputs:
-      continue
-    if name not in read:
-      doomed.append((position, name))
-      continue
-    if node.input or not node.device or name in colocated:
-      continue
-    twin = first.setdefault((node.device, builder_lib.constant_key(node)), name)
-    if twin != name:
-      doomed.append((position, name))
-      # input texts naming the removed constant -> the texts naming its twin
-      renamed[name] = renamed[name + ":0"] = twin
-      renamed["^" + name] = "^" + twin
-  if renamed:
-    # In order, a constant's readers come after it, so were seen reading one.
-    for node in const_readers if ordered else graph_def.node:
-      if not renamed.keys().isdisjoint(node.input):
-        inputs = []
-        for text in node.input:
-          text = renamed.get(text, text)
-          if text[:1] != "^" or text not in inputs:   # one control edge per twin
-            inputs.append(text)
-        del node.input[:]
-        node.input.extend(inputs)
-  # Renaming to an earlier twin and deleting keep an order topological.
-  delete_positions(graph_def, [position for position, _ in doomed])
-  for _, name in doomed:
-    out.records.pop(name, None)
-  state.inputs_come_first = ordered
+  identical constants on each device one (sharding/materialize.py
+  lean_constants); records whether every input names an earlier node
+  (state.inputs_come_first), which the acyclic check would otherwise scan
+  for again."""
+  state.inputs_come_first = materialize_lib.lean_constants(
+      state.materialized, graph_outputs(state.analysis.graph))
 
 
 def check_acyclic(state):

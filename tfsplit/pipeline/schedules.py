@@ -1,17 +1,22 @@
 """Pipeline schedules: small classes that only add control edges.
 
 After materialization every node of a pipelined graph is known by stage,
-micro-batch and role. For each device of a stage and each micro-batch j the
-schedule sees four sets of nodes:
-  F_in(j)  forward nodes that start micro-batch j here (read another stage, or the input)
-  F_out(j) forward nodes of j whose outputs leave this stage's forward
-  B_in(j)  backward nodes of j that start its backward here
-  B_out(j) backward nodes of j that end it (gradient sent back, or accumulated)
-and orders them with control edges on that device only, so no collective
-member is ever ordered against a member on another device.
+micro-batch and role. For each device of a stage, each micro-batch j and
+each model chunk, `micro_batch_sets` groups the nodes into blocks: F(j) the
+forward nodes, B(j) the backward nodes (and W(j) the weight gradients, taken
+out of B(j) where the schedule splits the backward), each also with its
+entry nodes (`F_in`: reading nothing of the block, such as the nodes that
+read another stage or the input) and exit nodes (`F_out`: read by nothing of
+the block). The schedules order whole blocks, with control edges on that
+device only, so no collective member is ever ordered against a member on
+another device.
 
-A schedule is its per-stage order of blocks; each block's entry nodes wait
-for the previous block's exit nodes, which enforces the order exactly:
+A schedule is its per-stage order of blocks (`Schedule.edges`: each block
+after the one before it). `apply_schedule` ends every block that another
+waits for with a NoOp barrier depending on all of the block's ops, and
+gates every op of the waiting block (not only its entry nodes) on that
+barrier: a block starts only once the previous one has finished. The
+orders:
 - gpipe: F0 .. F(m-1), then B0 .. B(m-1);
 - 1f1b (DAPPLE early backward / PipeDream-Flush): stage s runs K_s = min(S - s, m)
   warm-up forwards, then alternates B and F, so forward j waits for backward
@@ -32,9 +37,10 @@ for the previous block's exit nodes, which enforces the order exactly:
   up to 2S - 1 forwards ahead and fills the rest with W: no idle time
   inside a stage's span (a parallelogram) for about twice the memory.
 
-Blocks are (kind, micro-batch, chunk), the chunk counted on the stage
-(0 .. v-1: global chunk chunk * S + stage); gpipe, 1f1b and the zero-bubble
-schedules have one chunk and give their order as (kind, micro-batch).
+Blocks are (kind, micro-batch, chunk) (`Block`), the chunk counted on the
+stage (0 .. v-1: global chunk chunk * S + stage); gpipe, 1f1b and the
+zero-bubble schedules have one chunk and give their order as (kind,
+micro-batch).
 """
 import collections
 import functools
@@ -43,6 +49,13 @@ from tfsplit import constants
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph.ir import Graph, input_node, parse_input
 from tfsplit.graph.weight_gradients import weight_gradient_nodes
+
+# One block of a stage's order: kind 'F', 'B' or 'W', micro-batch, model
+# chunk counted on the stage.
+Block = collections.namedtuple("Block", ["kind", "microbatch", "chunk"])
+# One schedule edge on a stage: every op of block `waiting` waits for all of
+# block `after`.
+BlockEdge = collections.namedtuple("BlockEdge", ["waiting", "after"])
 
 
 class Schedule(object):
@@ -58,17 +71,15 @@ class Schedule(object):
     raise NotImplementedError
 
   def blocks(self, stage, stages, microbatches):
-    """`order` as [('F'|'B', j, chunk on the stage)]."""
-    return [tuple(b) if len(b) == 3 else (b[0], b[1], 0)
+    """`order` as [Block(kind, j, chunk on the stage)]."""
+    return [Block(*b) if len(b) == 3 else Block(b[0], b[1], 0)
             for b in self.order(stage, stages, microbatches)]
 
   def edges(self, stage, stages, microbatches):
-    """[(kind_waiting, j_waiting, chunk_waiting, kind_waited_on, j_waited_on,
-    chunk_waited_on)] for one stage: each block starts when the previous one
-    in `order` has finished."""
+    """[BlockEdge(waiting, after)] for one stage: each block of `order`
+    starts when the one before it has finished."""
     seq = self.blocks(stage, stages, microbatches)
-    return [(f"{b[0]}_in", b[1], b[2], f"{a[0]}_out", a[1], a[2])
-            for a, b in zip(seq, seq[1:])]
+    return [BlockEdge(b, a) for a, b in zip(seq, seq[1:])]
 
 
 class GPipe(Schedule):
@@ -384,14 +395,15 @@ def apply_schedule(graph_def, schedule, sets, mesh, stages, microbatches):
     if coords[mb] != 0:
       continue
     stage = coords[pp] if pp in coords else 0
-    for waiting_kind, j, cj, waited_kind, i, ci in schedule.edges(stage, stages,
-                                                                  microbatches):
+    for waiting, after in schedule.edges(stage, stages, microbatches):
+      j, i = waiting.microbatch, after.microbatch
       dj = mesh.device_id({**coords, mb: j})
       di = mesh.device_id({**coords, mb: i})
-      name = barrier(di, i, ci * stages + stage, waited_kind[0])
+      name = barrier(di, i, after.chunk * stages + stage, after.kind)
       if name is None:
         continue
-      for member in sorted(sets.get((dj, j, cj * stages + stage), {}).get(waiting_kind[0], ())):
+      for member in sorted(sets.get((dj, j, waiting.chunk * stages + stage), {})
+                           .get(waiting.kind, ())):
         node = nodes[member]
         if node.device != nodes[name].device:
           # Never order ops of different devices: a collective's members on

@@ -85,8 +85,7 @@ class _Meeting(object):
 
   def __init__(self, cluster, instance_key, timeout_seconds):
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
-    from tfsplit.sharding.collectives import collective_node  # pylint: disable=import-outside-toplevel
-    from tfsplit.sharding.builder import const_node  # pylint: disable=import-outside-toplevel
+    from tfsplit.sharding.builder import NodeMaker  # pylint: disable=import-outside-toplevel
     task = own_task(cluster)
     members = [cluster.device(t, 0) for t in range(cluster.num_tasks)]
     device = members[task]
@@ -94,13 +93,13 @@ class _Meeting(object):
     graph_def = tf.compat.v1.GraphDef()
     placeholder = graph_def.node.add(name="value", op="Placeholder", device=device)
     placeholder.attr["dtype"].type = tf.int64.as_datatype_enum
-    keys = []
-    for name, v in (("group_size", len(members)), ("group_key", group_key),
-                    ("instance_key", instance_key)):
-      graph_def.node.add().CopyFrom(const_node(name, np.int32(v), device))
-      keys.append(name)
-    graph_def.node.add().CopyFrom(collective_node(
-        "CollectiveGatherV2", "gathered", device, ["value"] + keys,
+    make = NodeMaker({"value"})
+    keys = [make.const(name, np.int32(v), device)
+            for name, v in (("group_size", len(members)), ("group_key", group_key),
+                            ("instance_key", instance_key))]
+    graph_def.node.extend(keys)
+    graph_def.node.add().CopyFrom(make.collective(
+        "CollectiveGatherV2", "gathered", device, ["value"] + [k.name for k in keys],
         tf.int64.as_datatype_enum, timeout_seconds))
     self.graph = tf.Graph()
     with self.graph.as_default():

@@ -167,10 +167,8 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...,
     or a Mesh with its own devices.
   options: the split's options, each a field of
-    tfsplit.passes.config.SplitConfig (its docstring says what each does):
-    strategy, annotations, microbatches, schedule, layer_ranges,
-    virtual_stages, timeout_seconds, bucket_bytes, recompute, zero, offload,
-    offload_device, gradient_reduce_dtype, sequence_parallel, ...
+    tfsplit.passes.config.SplitConfig, whose docstring says what each does
+    (strategy, annotations, microbatches, schedule, recompute, zero, ...).
   config: a whole SplitConfig instead of mesh and options (its mesh placed).
   cluster: run on a cluster's worker tasks ('TF_CONFIG', a spec file, a dict
     or a tf.distribute.cluster_resolver.ClusterResolver; default: TF_CONFIG

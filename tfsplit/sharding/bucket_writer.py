@@ -5,15 +5,15 @@ and a new instance key (cast to the bucket's travelling dtype before it and
 back after, if it travels in a lower one), and split back, and each member's
 result node becomes the Reshape of its piece under its own name and record, so its consumers,
 control edges and output copies stay valid and nothing else is rewired. Nodes
-are added through builder.DeviceGraph (names, records); the members'
+are made and added through builder.DeviceGraph (names, records), the
+bucket's collective as a copy of its first member's; the members'
 collectives and the constants only they read are dropped at the end. Which
 collectives form a bucket, and its key, is sharding/buckets.py's.
 """
-from tensorflow.core.framework import node_def_pb2
 from tensorflow.python.framework import dtypes
 
 from tfsplit.graph.ir import input_node
-from tfsplit.sharding.builder import NodeRecord
+from tfsplit.sharding.builder import NodeRecord, redefine
 
 _INT32 = dtypes.int32
 
@@ -39,20 +39,12 @@ class BucketWriter(object):
     for d in bucket[0].here:
       emit_on(d, bucket, key, f"{base}/shard_{d}")
 
-  def _collective(self, first, inputs, name):
-    """A copy of collective member `first` (its op and attrs) over `inputs`,
-    carrying the bucket's travelling dtype."""
-    node = node_def_pb2.NodeDef()
-    node.CopyFrom(first)
-    node.name = self.b.unique(name)
-    del node.input[:]
-    node.input.extend(inputs)
-    for attr in [a for a in node.attr if a.startswith("_tfsplit")]:
-      del node.attr[attr]
-    if self.travels is not None:
-      node.attr["T"].type = self.travels.as_datatype_enum
+  def _collective(self, first, inputs, name, record=()):
+    """Name of an added copy of collective member `first` (its op and
+    attrs) over `inputs`, carrying the bucket's travelling dtype, recorded
+    as `record` says (source, device id, shared)."""
     self.kept.update(input_node(t) for t in first.input[1:3])
-    return node
+    return self.b.collective_copy(first, name, inputs, self.travels, *record).name
 
   def _lower(self, where, x, dtype, device, record):
     """`x` cast to the travelling dtype (x itself if there is none)."""
@@ -75,13 +67,7 @@ class BucketWriter(object):
     self.dead_inputs.update(input_node(t) for t in member.input[dying:])
     self.rewritten.add(member.name)
     shape_const = self.b.int_val_const(f"{where}/shape_{k}", list(shape), device)
-    member.op = "Reshape"
-    for attr in [a for a in member.attr if not a.startswith("_tfsplit")]:
-      del member.attr[attr]
-    member.attr["T"].type = dtype.as_datatype_enum
-    member.attr["Tshape"].type = _INT32.as_datatype_enum
-    del member.input[:]
-    member.input.extend([piece, shape_const])
+    redefine(member, "Reshape", [piece, shape_const], {"T": dtype, "Tshape": _INT32})
 
   def _remove_unit(self, inst, d):
     """The member's nodes from its collective up to (not including) its
@@ -142,19 +128,17 @@ class BucketWriter(object):
     sent = self._lower(where, concat, dtype, device, last)
     if first.op == "CollectiveAllToAllV2":
       exchange = self._collective(first, [sent, first.input[1], first.input[2], key_const],
-                                  f"{where}/all_to_all")
-      self.b.add(exchange, *last)
+                                  f"{where}/all_to_all", last)
       # The blocks received are summed in the members' dtype.
       reduced = self.b.op(f"{where}/sum", "Sum", device,
-                          [self._raise(where, exchange.name, dtype, device, last),
+                          [self._raise(where, exchange, dtype, device, last),
                            self.b.int_val_const(f"{where}/sum/axis", 0, device)],
                           {"T": dtype, "Tidx": _INT32, "keep_dims": False}, *last)
     else:  # CollectiveReduceScatterV2: [1, total]
       scatter = self._collective(first, [sent, first.input[1], first.input[2], key_const],
-                                 f"{where}/reduce_scatter")
-      self.b.add(scatter, *last)
+                                 f"{where}/reduce_scatter", last)
       reduced = self._reshape(f"{where}/flat",
-                              self._raise(where, scatter.name, dtype, device, last), [total],
+                              self._raise(where, scatter, dtype, device, last), [total],
                               device, dtype, last)
     split = self._split(f"{where}/split", reduced, [i.elements // n for i in bucket], 0,
                         device, dtype, last)
@@ -179,9 +163,8 @@ class BucketWriter(object):
                                       self.b.int_val_const(f"{where}/instance_key", key,
                                                            device)],
                               f"{where}/all_gather")
-    self.b.add(gather)
     total = sum(i.elements for i in bucket)
-    cut = self._reshape(f"{where}/blocks", gather.name, [n, total], device, dtype)
+    cut = self._reshape(f"{where}/blocks", gather, [n, total], device, dtype)
     split = self._split(f"{where}/split", cut, [i.elements for i in bucket], 1, device, dtype)
     for k, (inst, coll) in enumerate(zip(bucket, colls)):
       shape = [inst.local_shape[0] * n] + list(inst.local_shape[1:])
@@ -205,9 +188,9 @@ class BucketWriter(object):
     reduced = self._collective(first, [self._lower(where, concat, dtype, device, last),
                                        first.input[1], first.input[2],
                                        self.b.int_val_const(f"{where}/instance_key", key,
-                                                            device)], f"{where}/all_reduce")
-    self.b.add(reduced, *last)
-    split = self._split(f"{where}/split", self._raise(where, reduced.name, dtype, device, last),
+                                                            device)], f"{where}/all_reduce",
+                               last)
+    split = self._split(f"{where}/split", self._raise(where, reduced, dtype, device, last),
                         [i.elements for i in bucket], axis, device, dtype, last)
     for k, (inst, member) in enumerate(zip(bucket, members)):
       self._become_piece(member, f"{split}:{k}" if k else split, inst.local_shape, dtype,

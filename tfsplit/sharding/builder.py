@@ -6,6 +6,12 @@ logical device and whether it serves every micro-batch. Later passes
 (schedules, micro-batch order, the Session runner) read those records instead
 of parsing node names.
 
+The nodes themselves (ops, constants, collectives and the copies of a
+collective that gradient buckets make) are made by `NodeMaker`, under names
+new in the graph; a DeviceGraph adds what its maker makes, and a pass that
+assembles a graph of its own (one task's part, sharding/tasks.py) uses a
+maker alone.
+
 The records also travel inside the GraphDef, as private attrs on each node
 (written as nodes are added, or by `stamp_records`; read by `read_records`),
 so a rewritten graph read back from a file still says which original node and
@@ -27,6 +33,7 @@ from tensorflow.python.framework import tensor_util
 
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import delete_positions
+from tfsplit.sharding.collectives import collective_node
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +159,87 @@ def _cached_tensor_proto(dtype, shape, data):
   return tensor_util.make_tensor_proto(np.frombuffer(data, np.dtype(dtype)).reshape(shape))
 
 
+def set_attrs(node, attrs):
+  """Sets `attrs` on NodeDef `node`, in order: {name: a DType, a bool or an int}."""
+  for name, value in attrs.items():
+    if isinstance(value, tf.DType):
+      node.attr[name].type = value.as_datatype_enum
+    elif isinstance(value, bool):
+      node.attr[name].b = value
+    else:
+      node.attr[name].i = value
+
+
+def redefine(node, op, inputs, attrs):
+  """NodeDef `node` made an `op` over `inputs` in place: its name, device and
+  private (`_tfsplit`) attrs stay, its other attrs become `attrs` (as
+  set_attrs takes them). Its consumers and records stay valid."""
+  node.op = op
+  for attr in [a for a in node.attr if not a.startswith("_tfsplit")]:
+    del node.attr[attr]
+  set_attrs(node, attrs)
+  del node.input[:]
+  node.input.extend(inputs)
+
+
+class NodeMaker(object):
+  """Makes the NodeDefs a split adds, each under a name new in `names` (a
+  set, which it extends): ops, constants and collectives. It adds them to
+  no graph; DeviceGraph does."""
+
+  def __init__(self, names):
+    self.names = names
+
+  def unique(self, base):
+    return unique_name(self.names, base)
+
+  def node(self, base, op, device, inputs, attrs):
+    """A new `op` node named after `base` over `inputs`; `attrs` as
+    set_attrs takes them."""
+    node = node_def_pb2.NodeDef(name=self.unique(base), op=op, device=device, input=inputs)
+    set_attrs(node, attrs)
+    return node
+
+  def const(self, base, value, device):
+    """A new Const of numpy `value` (its dtype) named after `base`."""
+    return const_node(self.unique(base), value, device)
+
+  def int_val_const(self, base, value, device):
+    """A new int32 Const (a scalar or a list), its values written as
+    int_val, without make_tensor_proto: the same tensor to TF as an int32
+    `const`'s, in the form gradient buckets write (a few per member)."""
+    node = node_def_pb2.NodeDef(name=self.unique(base), op="Const", device=device)
+    node.attr["dtype"].type = types_pb2.DT_INT32
+    proto = node.attr["value"].tensor
+    proto.dtype = types_pb2.DT_INT32
+    values = [int(v) for v in np.atleast_1d(value)]
+    if np.ndim(value):
+      proto.tensor_shape.dim.add().size = len(values)
+    proto.int_val.extend(values)
+    return node
+
+  def collective(self, op, base, device, inputs, dtype_enum, timeout_seconds=None):
+    """A new collective `op` (TF's template, sharding/collectives.py) named
+    after `base`; `inputs` = [tensor, group_size, group_key, instance_key]
+    (a broadcast's receiver: [group_size, group_key, instance_key, shape])."""
+    return collective_node(op, self.unique(base), device, inputs, dtype_enum, timeout_seconds)
+
+  def collective_copy(self, member, base, inputs, dtype=None):
+    """A copy of collective node `member` (its op, device and attrs, not its
+    private `_tfsplit` ones) named after `base` over `inputs`, carrying
+    `dtype` (a DType) if given."""
+    node = node_def_pb2.NodeDef()
+    node.CopyFrom(member)
+    node.name = self.unique(base)
+    del node.input[:]
+    node.input.extend(inputs)
+    for attr in [a for a in node.attr if a.startswith("_tfsplit")]:
+      del node.attr[attr]
+    if dtype is not None:
+      node.attr["T"].type = dtype.as_datatype_enum
+    return node
+
+
 class DeviceGraph(object):
   """A GraphDef being built: unique names, per-node records."""
 
@@ -175,9 +263,10 @@ class DeviceGraph(object):
     self.created = {n.name: n for n in graph_def.node}   # name -> the NodeDef in graph_def
     self.names = set(self.created)
     self.records = records   # name -> NodeRecord
+    self.make = NodeMaker(self.names)
 
   def unique(self, base):
-    return unique_name(self.names, base)
+    return self.make.unique(base)
 
   def add(self, node, source=None, device_id=None, shared=False):
     """Adds a copy of `node`; records it as made for `source` on `device_id`
@@ -194,15 +283,15 @@ class DeviceGraph(object):
   def op(self, base, op, device, inputs, attrs, source=None, device_id=None, shared=False):
     """Name of a new `op` node named after `base` over `inputs`, recorded as
     `add` does; `attrs` in order: {name: a DType, a bool or an int}."""
-    node = node_def_pb2.NodeDef(name=self.unique(base), op=op, device=device, input=inputs)
-    for name, value in attrs.items():
-      if isinstance(value, tf.DType):
-        node.attr[name].type = value.as_datatype_enum
-      elif isinstance(value, bool):
-        node.attr[name].b = value
-      else:
-        node.attr[name].i = value
-    return self.add(node, source, device_id, shared).name
+    return self.add(self.make.node(base, op, device, inputs, attrs), source, device_id,
+                    shared).name
+
+  def collective_copy(self, member, base, inputs, dtype=None, source=None, device_id=None,
+                      shared=False):
+    """The added node of a copy of collective node `member` over `inputs`
+    (NodeMaker.collective_copy), recorded as `add` does."""
+    return self.add(self.make.collective_copy(member, base, inputs, dtype), source,
+                    device_id, shared)
 
   def remove(self, names):
     """Deletes the nodes named in the set `names`, and their records."""
@@ -237,41 +326,24 @@ class DeviceGraph(object):
 
   def int_const(self, base, value, device):
     """Name of a new int32 Const on `device`."""
-    node = const_node(self.unique(base), np.asarray(value, np.int32), device)
-    self.add(node)
-    return node.name
+    return self.add(self.make.const(base, np.asarray(value, np.int32), device)).name
 
   def int_val_const(self, base, value, device):
-    """Name of a new int32 Const on `device` (a scalar or a list), its values
-    written as int_val, without make_tensor_proto: the same tensor to TF as
-    int_const's, in the form gradient buckets write (a few per member)."""
-    node = node_def_pb2.NodeDef(name=self.unique(base), op="Const", device=device)
-    node.attr["dtype"].type = types_pb2.DT_INT32
-    proto = node.attr["value"].tensor
-    proto.dtype = types_pb2.DT_INT32
-    values = [int(v) for v in np.atleast_1d(value)]
-    if np.ndim(value):
-      proto.tensor_shape.dim.add().size = len(values)
-    proto.int_val.extend(values)
-    return self.add(node).name
+    """Name of a new int32 Const on `device` (a scalar or a list), written
+    as NodeMaker.int_val_const writes it."""
+    return self.add(self.make.int_val_const(base, value, device)).name
 
   def _shaping(self, op, index_attr, x, operand, base, device, dtype):
     """`op`(x, int32 Const operand): a Transpose or a Reshape."""
     operand_name = self.int_const(f"{base}/{index_attr.lower()}", list(operand), device)
-    node = node_def_pb2.NodeDef(name=self.unique(base), op=op, device=device,
-                                input=[x, operand_name])
-    node.attr["T"].type = dtype
-    node.attr[index_attr].type = tf.int32.as_datatype_enum
-    self.add(node)
-    return node.name
+    return self.op(base, op, device, [x, operand_name],
+                   {"T": tf.as_dtype(dtype), index_attr: tf.int32})
 
   def cast(self, x, src_dtype, dst_dtype, base, device):
-    node = node_def_pb2.NodeDef(name=self.unique(base), op="Cast", device=device, input=[x])
-    node.attr["SrcT"].type = src_dtype
-    node.attr["DstT"].type = dst_dtype
-    node.attr["Truncate"].b = False
-    self.add(node)
-    return node.name
+    """Name of a new Cast of `x` (DataType enums), Truncate false."""
+    return self.op(base, "Cast", device, [x], {"SrcT": tf.as_dtype(src_dtype),
+                                               "DstT": tf.as_dtype(dst_dtype),
+                                               "Truncate": False})
 
   def transpose(self, x, perm, base, device, dtype):
     return self._shaping("Transpose", "Tperm", x, perm, base, device, dtype)

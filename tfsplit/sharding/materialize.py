@@ -9,7 +9,9 @@ every device's copy). Control edges are only copied within one device, so the
 members of a collective are never ordered against each other across devices.
 Micro-batch copies of an op that does not depend on the micro-batch (an
 optimizer update) are shared: one per device, and so are identical constants:
-a device's copies of constants with the same value are one node.
+a device's copies of constants with the same value are one node, as they are
+made here and, once later passes have added theirs, by `lean_constants`
+(which also drops the copies nothing reads).
 """
 import dataclasses
 import zlib
@@ -21,7 +23,7 @@ from tensorflow.core.framework import types_pb2
 from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.ir import parse_input
+from tfsplit.graph.ir import delete_positions, parse_input
 from tfsplit.graph.endpoints import graph_outputs
 from tfsplit.rules.base import Decision
 from tfsplit.sharding.builder import (DeviceGraph, constant_key, local_name,
@@ -331,3 +333,86 @@ def materialize(graph, shapes, mesh, propagation, variables, timeout_seconds=Non
   collectives crosses tasks; the manifest still lists every shard)."""
   return _Materializer(graph, shapes, mesh, propagation, variables, timeout_seconds,
                        stage_of, scatter_microbatches, moved, only).run()
+
+
+def lean_constants(materialized, outputs):
+  """Removes the device copies of constants that nothing reads from
+  `materialized` (graph and records, in place), and makes the identical
+  constants on each device one; returns whether every input of the graph
+  names an earlier node. outputs: the original graph's outputs.
+
+  A rule's localize gives a device its own shape or size constant, and
+  folding leaves the leaves of shape arithmetic unread, so the global
+  constant's copy on each device goes unread; and every device gets its own
+  copy of every constant a copied op reads, most of them equal. TF would
+  prune and merge them before the first step, but first every tool would
+  carry them (about a third of a split graph's nodes): the acyclic check,
+  the written graph, its import, Grappler at the first call.
+
+  Constants are the same when their device, dtype, value and other attrs
+  are (the per-node records aside, which name each copy's original). The
+  copies of the graph's outputs stay (in a graph whose outputs are not
+  marked, every unread node counts as one), and so do a constant with an
+  input (a control edge) or one another node is colocated with. A removed
+  duplicate's readers read the first of its kind, which keeps the node order
+  topological; removed nodes' records go with them. One scan of the graph
+  and one deletion, since a scan of a large split graph is not free. The
+  scan also finds whether every input names an earlier node (the answer),
+  which an acyclic check would otherwise scan for again."""
+  graph_def, records = materialized.graph_def, materialized.records
+  outputs = set(outputs)
+  read, colocated, consts, const_readers = set(), set(), [], []
+  seen = {}  # node so far -> whether it is a Const
+  ordered = True
+  for position, node in enumerate(graph_def.node):
+    reads_constant = False
+    for text in node.input:
+      name = text[1:] if text[:1] == "^" else text.partition(":")[0]
+      read.add(name)
+      is_const = seen.get(name)
+      if is_const is None:
+        ordered = False
+      elif is_const:
+        reads_constant = True
+    if reads_constant:
+      const_readers.append(node)
+    name = node.name
+    if name in seen:
+      ordered = False  # defined twice: Graph says so
+    is_const = seen[name] = node.op == "Const"
+    if is_const:
+      consts.append((position, node))
+    if "_class" in node.attr:
+      colocated.update(s.decode()[len("loc:@"):] for s in node.attr["_class"].list.s)
+  doomed, first, renamed = [], {}, {}
+  for position, node in consts:
+    name = node.name
+    if getattr(records.get(name), "source", None) in outputs:
+      continue
+    if name not in read:
+      doomed.append((position, name))
+      continue
+    if node.input or not node.device or name in colocated:
+      continue
+    twin = first.setdefault((node.device, constant_key(node)), name)
+    if twin != name:
+      doomed.append((position, name))
+      # input texts naming the removed constant -> the texts naming its twin
+      renamed[name] = renamed[name + ":0"] = twin
+      renamed["^" + name] = "^" + twin
+  if renamed:
+    # In order, a constant's readers come after it, so were seen reading one.
+    for node in const_readers if ordered else graph_def.node:
+      if not renamed.keys().isdisjoint(node.input):
+        inputs = []
+        for text in node.input:
+          text = renamed.get(text, text)
+          if text[:1] != "^" or text not in inputs:   # one control edge per twin
+            inputs.append(text)
+        del node.input[:]
+        node.input.extend(inputs)
+  # Renaming to an earlier twin and deleting keep an order topological.
+  delete_positions(graph_def, [position for position, _ in doomed])
+  for _, name in doomed:
+    records.pop(name, None)
+  return ordered

@@ -37,7 +37,6 @@ from tensorflow.core.framework import types_pb2
 
 from tfsplit.errors import PlanError
 from tfsplit.sharding.builder import safe_axis, tensor
-from tfsplit.sharding.collectives import collective_node
 from tfsplit.layout.spec import Sharding, axis_parts, join_parts, without_part
 
 
@@ -264,8 +263,8 @@ class Resharder(object):
                 self.b.int_const(base + "/instance_key",
                                  self._instance(keys, current, d, axis), device)]
       carried = types_pb2.DT_INT32 if info.dtype == types_pb2.DT_BOOL else info.dtype
-      node = collective_node(op, self.b.unique(base), device, inputs, carried, self.timeout)
-      self.b.add(node, *((src, d) if record else ()))
+      node = self.b.add(self.b.make.collective(op, base, device, inputs, carried, self.timeout),
+                        *((src, d) if record else ()))
       y = node.name
       if carried != info.dtype:
         y = self.b.cast(y, carried, info.dtype, base + "/to_bool", device)

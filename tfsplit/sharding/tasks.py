@@ -26,6 +26,9 @@ turns every edge between tasks into a collective:
 - every output is returned on every task (a train step's loss is the global
   one): the task's own copy, or one broadcast from a copy in the pipeline
   group of the task's first device (`output_routes`, from the mesh alone).
+
+The constants and broadcasts added are made by sharding/builder.py's
+NodeMaker, as every split's nodes are.
 """
 import dataclasses
 import re
@@ -42,8 +45,7 @@ from tensorflow.python.framework import tensor_util
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.ir import parse_input
-from tfsplit.sharding.builder import const_node, tensor
-from tfsplit.sharding.collectives import collective_node
+from tfsplit.sharding.builder import NodeMaker, tensor
 
 _TASK_RE = re.compile(r"/task:(\d+)")
 _KEY_BIT = 0x40000000   # sharding/buckets.py's range: hashed keys
@@ -133,19 +135,13 @@ class _Extraction(object):
     self.tensor_type, self.timeout = tensor_type, timeout_seconds
     self.nodes = {n.name: n for n in graph_def.node}
     self.where = {n.name: task_of(n.device) for n in graph_def.node}
-    self.names = set(self.nodes)
+    self.make = NodeMaker(set(self.nodes))   # the task's new nodes, named apart
     self.front, self.tail = [], []
     self.dropped = 0
 
-  def unique(self, base):
-    name, i = base, 1
-    while name in self.names:
-      name, i = f"{base}_{i}", i + 1
-    self.names.add(name)
-    return name
-
   def const(self, base, value, device, dtype=np.int32):
-    node = const_node(self.unique(base), np.asarray(value, dtype), device)
+    """Name of a new Const of `value` (as `dtype`) at the front of the graph."""
+    node = self.make.const(base, np.asarray(value, dtype), device)
     self.front.append(node)
     return node.name
 
@@ -258,14 +254,14 @@ class _Extraction(object):
               self.const(base + "/group_key", group_key, device),
               self.const(base + "/instance_key", instance, device)]
       if self.task == there:
-        node = collective_node("CollectiveBcastSendV2", self.unique(base), device,
-                               [tensor(src, port)] + keys, dtype, self.timeout)
+        node = self.make.collective("CollectiveBcastSendV2", base, device,
+                                    [tensor(src, port)] + keys, dtype, self.timeout)
         sends.append(node.name)
         self.tail.append(node)
       else:
         keys.append(self.const(base + "/shape", list(shape), device))
-        node = collective_node("CollectiveBcastRecvV2", self.unique(base), device, keys,
-                               dtype, self.timeout)
+        node = self.make.collective("CollectiveBcastRecvV2", base, device, keys, dtype,
+                                    self.timeout)
         self.front.append(node)
         received[(src, port)] = (node.name, device)
     return received, sends
