@@ -25,6 +25,7 @@ from tfsplit.graph import load_graph
 from tfsplit.layout.mesh import Mesh
 from tfsplit.passes import split_graph
 from tfsplit.passes.manifest import bytes_per_device
+from tfsplit.plan import costing as costing_lib
 from tfsplit.plan import space
 from tfsplit.plan.profile import LayerRow, ModelProfile
 from tfsplit.plan.search import Planner
@@ -245,7 +246,7 @@ def test_ep_prices_expert_memory_sync_and_token_exchange():
   from tfsplit.cost import collectives
   profile = _moe_rows()
   cluster = plan_lib_cluster(4)
-  costing = space.Costing(profile, cluster)
+  costing = costing_lib.Costing(profile, cluster)
   whole = [(0, costing.n)]
   dp4 = costing.evaluate(space.Candidate(4, 1, 1), whole)
   ep = space.Candidate(2, 1, 1, ep=2)
@@ -312,7 +313,7 @@ def test_an_ep_plan_file_applies_and_trains_exactly(tmp_path):
   from tfsplit.plan.plan import Plan
   ex, graph_def = _graph("switch_keras3")
   profile = plan_lib.profile_graph(graph_def, 4, "h100-80gb")
-  costing = space.Costing(profile, plan_lib_cluster(4))
+  costing = costing_lib.Costing(profile, plan_lib_cluster(4))
   est = costing.evaluate(space.Candidate(2, 1, 1, 2, ep=2), [(0, costing.n)])
   path = str(tmp_path / "plan.json")
   Plan.from_estimate(est, profile).save(path)

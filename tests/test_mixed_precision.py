@@ -504,13 +504,14 @@ def test_planner_prices_a_bf16_step_in_its_own_dtypes():
   peak as closely as the float32 step's does."""
   from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.commands.plan_cmd import simulate_top  # pylint: disable=import-outside-toplevel
+  from tfsplit.plan import costing as costing_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import space  # pylint: disable=import-outside-toplevel
   spec = plan_lib.cluster_for("h100-80gb", 2)
   profiles, ratios = {}, {}
   for precision in (None, "mixed_bfloat16"):
     graph_def = _graph("causallm_keras3", precision)
     profile = plan_lib.profile_graph(graph_def, 2, spec)
-    costing = space.Costing(profile, spec)
+    costing = costing_lib.Costing(profile, spec)
     half = costing.n // 2
     estimates = [costing.evaluate(space.Candidate(1, 1, 1), [(0, costing.n)]),
                  costing.evaluate(space.Candidate(1, 1, 2, microbatches=2),

@@ -16,6 +16,7 @@ from tfsplit.cost import cluster as cluster_lib
 from tfsplit.errors import PlanError
 from tfsplit.graph import load_graph
 from tfsplit.pipeline import partition
+from tfsplit.plan import costing as costing_lib
 from tfsplit.plan import plan as plan_json
 from tfsplit.plan import profile as profile_lib
 from tfsplit.plan import search as search_lib
@@ -40,7 +41,7 @@ def _profile(name, cluster, devices):
 
 
 def _plain_dp_memory(profile, cluster, devices):
-  costing = space.Costing(profile, plan_lib.cluster_for(cluster, devices))
+  costing = costing_lib.Costing(profile, plan_lib.cluster_for(cluster, devices))
   return costing.evaluate(space.Candidate(devices, 1, 1), [(0, costing.n)]).memory
 
 
@@ -147,12 +148,12 @@ def test_replicates_a_block_where_cheaper_and_splits_it_when_memory_forces():
   free = search_lib.Planner(_two_blocks(), cluster, 2, 10**15).search().best
   assert free.candidate.tp == 2 and free.candidate.replicate == (0,), free.label()
   split = space.Candidate(1, 2, 1)
-  costing = space.Costing(_two_blocks(), cluster)
+  costing = costing_lib.Costing(_two_blocks(), cluster)
   everything = costing.evaluate(split, [(0, 2)])
   assert free.step_time < everything.step_time and free.memory > everything.memory
   # A tiny block with 10 GB of weights: replicated, the devices overflow.
   heavy = _two_blocks(tiny_params=10**10)
-  costing = space.Costing(heavy, cluster)
+  costing = costing_lib.Costing(heavy, cluster)
   cap = (costing.evaluate(split, [(0, 2)]).memory +
          costing.evaluate(dataclasses.replace(split, replicate=(0,)), [(0, 2)]).memory) // 2
   planner = search_lib.Planner(heavy, cluster, 2, cap)
@@ -172,12 +173,12 @@ def _optimizer_heavy():
 
 def test_offloads_only_when_nothing_fits_without():
   cluster = cluster_lib.from_preset("h100-80gb", 1)
-  costing = space.Costing(_optimizer_heavy(), cluster)
+  costing = costing_lib.Costing(_optimizer_heavy(), cluster)
   kept = costing.evaluate(space.Candidate(1, 1, 1), [(0, 1)])
   moved = costing.evaluate(space.Candidate(1, 1, 1, offload=True), [(0, 1)])
   assert moved.memory < kept.memory and moved.step_time > kept.step_time
   # Gradients to the host and weights back over PCIe, the update there.
-  assert moved.update_time > 2 * 2e9 / space.HOST_LINK.bandwidth
+  assert moved.update_time > 2 * 2e9 / costing_lib.HOST_LINK.bandwidth
   plan, _ = plan_lib.plan_profile(_optimizer_heavy(), 1, 10**15, cluster, memory_reserve=0)
   assert plan.offload is None
   cap = (kept.memory + moved.memory) // 2
@@ -189,7 +190,7 @@ def test_offloads_only_when_nothing_fits_without():
   assert best.candidate.offload and result.best.step_time == pytest.approx(best.step_time)
   # CPU devices have no host apart from themselves: never offloaded.
   cpu = cluster_lib.from_preset("cpu-host", 1)
-  assert not space.Costing(_optimizer_heavy(), cpu).can_offload
+  assert not costing_lib.Costing(_optimizer_heavy(), cpu).can_offload
 
 
 def test_min_max_cut_agrees_with_the_stage_balancer():
@@ -212,7 +213,7 @@ def test_interleaved_and_gpipe_follow_the_pipeline_formulas():
   rows = [profile_lib.LayerRow(f"l{i}", 1.0, 2.0, 0.0, 4, 8, 100, 0, False)
           for i in range(8)]
   profile = profile_lib.ModelProfile(rows, [0] * 7, batch=8)
-  costing = space.Costing(profile, cluster_lib.from_preset("h100-80gb", 4))
+  costing = costing_lib.Costing(profile, cluster_lib.from_preset("h100-80gb", 4))
   est = costing.evaluate(space.Candidate(1, 1, 4, 8, "1f1b"), space.even_ranges(8, 4))
   per_stage = 2 * 3.0 / 8            # 2 layers, one micro-batch of 8
   assert est.pipeline_time == pytest.approx((8 + 3) * per_stage)
@@ -238,7 +239,7 @@ def test_a_step_pays_its_launch_once_and_each_further_stage_its_cost():
   def step(candidate, launch, stage):
     profile = profile_lib.ModelProfile(rows, [0] * 7, batch=8, step_overhead=launch,
                                        stage_overhead=stage)
-    return space.Costing(profile, cluster).evaluate(
+    return costing_lib.Costing(profile, cluster).evaluate(
         candidate, space.even_ranges(8, candidate.chunks)).step_time
 
   for candidate, stages in ((space.Candidate(1, 1, 4, 8, "1f1b"), 4),
@@ -253,7 +254,7 @@ def test_a_step_pays_its_launch_once_and_each_further_stage_its_cost():
 
 def test_zero_and_recompute_lower_memory_as_modelled():
   profile = _profile("gpt_raw", "h100-80gb", 4)
-  costing = space.Costing(profile, plan_lib.cluster_for("h100-80gb", 4))
+  costing = costing_lib.Costing(profile, plan_lib.cluster_for("h100-80gb", 4))
   whole = [(0, costing.n)]
   plain = costing.evaluate(space.Candidate(4, 1, 1), whole)
   zero = costing.evaluate(space.Candidate(4, 1, 1, zero=1), whole)
@@ -265,7 +266,7 @@ def test_zero_and_recompute_lower_memory_as_modelled():
 
 def test_bucket_size_is_the_rewrite_default():
   from tfsplit.passes.config import SplitConfig  # pylint: disable=import-outside-toplevel
-  assert space.DEFAULT_BUCKET_BYTES == SplitConfig.bucket_bytes == 25 * 2**20
+  assert costing_lib.DEFAULT_BUCKET_BYTES == SplitConfig.bucket_bytes == 25 * 2**20
 
 
 def test_large_synthetic_gpt_plans_fast():
@@ -416,7 +417,7 @@ def _offload_plan():
   cluster = plan_lib.cluster_for("h100-80gb", 1)
   without = search_lib.Planner(profile, cluster, 1, None)
   kept = without.search().smallest.memory
-  costing = space.Costing(profile, cluster)
+  costing = costing_lib.Costing(profile, cluster)
   moved = min(costing.evaluate(space.Candidate(1, 1, 1, m, recompute=rc, offload=True),
                                [(0, costing.n)]).memory
               for m in space.divisors(profile.batch) for rc in ("none", "blocks"))
@@ -573,7 +574,7 @@ def test_split_refuses_a_plan_for_more_devices_than_there_are(tmp_path):
 def test_per_op_overhead_does_not_shrink_with_the_micro_batch():
   rows = [profile_lib.LayerRow("l0", 4.0, 8.0, 0.0, 4, 8, 100, 0, False,
                                forward_fixed=1.0, backward_fixed=2.0)]
-  costing = space.Costing(profile_lib.ModelProfile(rows, [], batch=8),
+  costing = costing_lib.Costing(profile_lib.ModelProfile(rows, [], batch=8),
                           cluster_lib.from_preset("h100-80gb", 1))
   one = costing.evaluate(space.Candidate(1, 1, 1, 1), [(0, 1)])
   four = costing.evaluate(space.Candidate(1, 1, 1, 4), [(0, 1)])
@@ -596,7 +597,7 @@ def test_groups_collectives_at_the_same_moments_add_their_measured_share():
     profile = profile_lib.ModelProfile(rows, [64], batch=8, concurrency=1.0,
                                        collective_overhead=1e-3, collective_at={4: 3e-3},
                                        collective_overlap=overlap)
-    return space.Costing(profile, cluster).evaluate(candidate, [(0, 2)]).step_time
+    return costing_lib.Costing(profile, cluster).evaluate(candidate, [(0, 2)]).step_time
 
   both = space.Candidate(2, 2, 1, 1)
   assert step(both, 1.0) - step(both, 0.25) == pytest.approx((4 + 2) * 1e-3 * 0.75, rel=1e-6)
@@ -619,7 +620,7 @@ def test_logical_cpus_overlap_ops_work_and_their_gaps_apart():
 
   def host_time(**extra):
     profile = profile_lib.ModelProfile(rows, [], **base, **extra)
-    return space.Costing(profile, cluster).shared_host_time(dp2, [(0, 1)], [False])
+    return costing_lib.Costing(profile, cluster).shared_host_time(dp2, [(0, 1)], [False])
 
   work = 2 * ((2e-3 + 4e-3) / 2 + 1e-4 + 2e-4 + 1e-3)
   gaps = 2 * 350 * 1e-6
@@ -645,7 +646,7 @@ def test_pipeline_stages_on_shared_cores_update_and_overlap_at_the_concurrency()
 
   def priced(candidate, **extra):
     profile = profile_lib.ModelProfile(rows, [0] * 3, batch=8, **extra)
-    return space.Costing(profile, cluster).evaluate(candidate, cut)
+    return costing_lib.Costing(profile, cluster).evaluate(candidate, cut)
 
   pp4 = space.Candidate(1, 1, 4, 1)
   apart, shared = priced(pp4), priced(pp4, concurrency=1.6, concurrency_at={4: 2.0})
@@ -655,10 +656,10 @@ def test_pipeline_stages_on_shared_cores_update_and_overlap_at_the_concurrency()
   pp2 = space.Candidate(1, 1, 2, 4)
   cut2 = [(0, 2), (2, 4)]
   profile = profile_lib.ModelProfile(rows, [0] * 3, batch=8, concurrency=1.6)
-  est = space.Costing(profile, cluster).evaluate(pp2, cut2)
+  est = costing_lib.Costing(profile, cluster).evaluate(pp2, cut2)
   stage = 2 * (1e-3 + 2e-3) / 4
   assert est.pipeline_time == pytest.approx(3 * stage * 2 / 1.6 + 2 * stage)
-  plain = space.Costing(profile_lib.ModelProfile(rows, [0] * 3, batch=8), cluster)
+  plain = costing_lib.Costing(profile_lib.ModelProfile(rows, [0] * 3, batch=8), cluster)
   assert est.bubble == pytest.approx(plain.evaluate(pp2, cut2).bubble)
 
 
@@ -684,7 +685,7 @@ def test_calibration_table_overheads_enter_the_profile(tmp_path, capsys):
   assert (profile.step_overhead, profile.stage_overhead) == (1e-3, 2e-4)
   assert all(r.forward_fixed > 0 and r.backward_fixed > 0 for r in profile.layers)
   # Per-op overhead is paid per micro-batch: more micro-batches cost time.
-  costing = space.Costing(profile, plan_lib.cluster_for("h100-80gb", 2))
+  costing = costing_lib.Costing(profile, plan_lib.cluster_for("h100-80gb", 2))
   one, two = (costing.evaluate(space.Candidate(2, 1, 1, m), [(0, costing.n)])
               for m in (1, 2))
   fixed = sum(r.forward_fixed + r.backward_fixed for r in profile.layers)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from tfsplit.cost import cluster as cluster_lib
+from tfsplit.cost import pipeline_sim
 from tfsplit.plan import cuts
 from tfsplit.plan import profile as profile_lib
 from tfsplit.plan import search as search_lib
@@ -208,7 +209,7 @@ def _dense_memory(terms, static_bytes, n):
 def _stage_counts(rng, chunks):
   schedule = rng.choice(["1f1b", "gpipe"])
   m = rng.randint(1, 2 * chunks)
-  return list(space.theoretical_peak_activations(schedule, chunks, m))
+  return list(pipeline_sim.theoretical_peak_activations(schedule, chunks, m))
 
 
 def test_band_terms_are_the_matrices_terms():

@@ -242,12 +242,13 @@ def test_planner_zero_bubble_matches_the_simulator_on_equal_stages():
   """Costing's zb formula against the event simulator: 4 equal blocks cut
   into 4 stages, m = 8, W half of each backward."""
   import dataclasses  # pylint: disable=import-outside-toplevel
+  from tfsplit.plan import costing as costing_lib  # pylint: disable=import-outside-toplevel
   from tfsplit.plan import space  # pylint: disable=import-outside-toplevel
   rows = [profile_lib.LayerRow(name=f"block_{i}", forward=8.0, backward=16.0, update=0.0,
                                params=4, slots=4, activations=8, input_bytes=0,
                                splittable=False, weight_share=0.5) for i in range(4)]
   prof = profile_lib.ModelProfile(rows, [0] * 3, 8)
-  costing = space.Costing(prof, cluster_lib.from_preset("h100-80gb", 4))
+  costing = costing_lib.Costing(prof, cluster_lib.from_preset("h100-80gb", 4))
   for sched in ("1f1b", "zb-h1", "zb-h2"):
     c = space.Candidate(1, 1, 4, 8, sched)
     est = costing.evaluate(c, [(i, i + 1) for i in range(4)])

@@ -3,7 +3,7 @@
 `tools/bench_planner.py --measure ... --calibration TABLE --measure_only`
 prints each plan's measured step time and the machine's level as a result
 line. Timing a grid of plans takes minutes and a quiet machine; a change to
-the planner's pricing (plan/space.py, plan/profile.py) does not need new
+the planner's pricing (plan/costing.py, plan/profile.py) does not need new
 timings to be judged: this prices the same plans again from the same
 tables and prints, per plan, the ratio then and now (predicted at the
 process's level over measured), and over all runs how many plans' median

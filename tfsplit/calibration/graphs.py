@@ -10,7 +10,9 @@ so their shapes and counts (TRAINING_STEPS) are read from here, at call time,
 by every measurement that builds them.
 """
 import contextlib
+import dataclasses
 import itertools
+from typing import Iterator
 
 import numpy as np
 import tensorflow as tf
@@ -185,17 +187,59 @@ def training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
   i * S // blocks, the head and the loss on the last (see
   devices.stage_overhead)."""
   g = tf.Graph()
-  instances = itertools.count(1 + 1000 * exchange_group)
+  step = _Step(blocks, batch // microbatches, seq, hidden, heads, vocab, first_style,
+               microbatches, stages, exchange_over, exchange_group)
+  with g.as_default():
+    tokens = _feed([batch * seq, hidden])
+    labels = _feed([batch * seq], tf.int32)
+    step.update(step.gradients(tokens, labels))
+  return g.as_graph_def()
 
-  def exchange(t):   # the mean over the copies, forward and back
-    if exchange_over < 2:
+
+def _feed(shape, dtype=tf.float32):
+  """A placeholder of `shape`: what the step is fed."""
+  return tf.compat.v1.placeholder(dtype, shape)
+
+
+def _gelu(h):
+  """GELU as the example models write it, with erf."""
+  return 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
+
+
+@dataclasses.dataclass
+class _Step:
+  """The sizes and the cut of one training_graph step, and what its
+  micro-batches share: the weights (made by the first, fed) and the
+  instance keys of its collectives."""
+  blocks: int
+  batch: int           # of one micro-batch
+  seq: int
+  hidden: int
+  heads: int
+  vocab: int
+  first_style: int
+  microbatches: int
+  stages: int
+  exchange_over: int
+  exchange_group: int
+  weights: list = dataclasses.field(default_factory=list)
+  used: int = 0        # weights the micro-batch being written has used
+  instances: Iterator[int] = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    self.instances = itertools.count(1 + 1000 * self.exchange_group)
+
+  def exchange(self, t):
+    """The mean of `t` over the copies, forward and back (t itself
+    without exchange_over)."""
+    if self.exchange_over < 2:
       return t
 
     def mean(u):
       return tf.raw_ops.CollectiveReduceV2(
-          input=u, group_size=exchange_over,
-          group_key=_EXCHANGE_GROUP + 8 * exchange_group + exchange_over,
-          instance_key=next(instances), ordering_token=[], merge_op="Add",
+          input=u, group_size=self.exchange_over,
+          group_key=_EXCHANGE_GROUP + 8 * self.exchange_group + self.exchange_over,
+          instance_key=next(self.instances), ordering_token=[], merge_op="Add",
           final_op="Div", communication_hint="auto", timeout_seconds=0.0)
 
     @tf.custom_gradient
@@ -203,122 +247,156 @@ def training_graph(blocks, batch, seq=32, hidden=64, heads=4, vocab=256,
       return mean(u), mean
     return across(t)
 
-  with g.as_default():
-    feed = lambda shape, dtype=tf.float32: tf.compat.v1.placeholder(dtype, shape)  # pylint: disable=unnecessary-lambda-assignment
-    tokens = feed([batch * seq, hidden])
-    labels = feed([batch * seq], tf.int32)
-    weights, used = [], [0]
+  def weight(self, *shape):
+    """The next weight of the micro-batch being written: fed, made by the
+    first micro-batch and shared by the others."""
+    if self.used == len(self.weights):
+      self.weights.append(_feed(list(shape)))
+    self.used += 1
+    return self.weights[self.used - 1]
 
-    def weight(*shape):   # made by the first micro-batch, shared by the others
-      if used[0] == len(weights):
-        weights.append(feed(list(shape)))
-      used[0] += 1
-      return weights[used[0] - 1]
+  def stage_of(self, i):
+    """The device scope of block i (i == blocks: the head)."""
+    if self.stages < 2:
+      return contextlib.nullcontext()
+    return tf.device(f"/device:CPU:{min(i, self.blocks - 1) * self.stages // self.blocks}")
 
-    def stage_of(i):   # the device scope of block i (i == blocks: the head)
-      if stages < 2:
-        return contextlib.nullcontext()
-      return tf.device(f"/device:CPU:{min(i, blocks - 1) * stages // blocks}")
+  def norm(self, x):
+    """Layer normalization over the features (none in an MLP)."""
+    if self.seq == 1:
+      return x
+    mean = tf.reduce_mean(x, -1, keepdims=True)
+    var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
+    return (x - mean) * tf.math.rsqrt(var + 1e-5) * self.weight(self.hidden) + \
+        self.weight(self.hidden)
 
-    def loss_of(x, labels, batch):
-      used[0] = 0
+  def dense(self, t, units):
+    """Keras 3's Dense on a sequence."""
+    return tf.linalg.matmul(tf.reshape(t, [self.batch, self.seq, -1]),
+                            self.weight(t.shape[-1], units)) + self.weight(units)
 
-      def norm(x):
-        mean = tf.reduce_mean(x, -1, keepdims=True)
-        var = tf.reduce_mean(tf.square(x - mean), -1, keepdims=True)
-        return (x - mean) * tf.math.rsqrt(var + 1e-5) * weight(hidden) + weight(hidden)
+  def heads_of(self, t):
+    """[batch, heads, sequence, head size] of [batch x sequence, hidden]."""
+    return tf.transpose(tf.reshape(t, [self.batch, self.seq, self.heads,
+                                       self.hidden // self.heads]), [0, 2, 1, 3])
 
-      def dense(t, units):   # Keras 3's Dense on a sequence
-        return tf.linalg.matmul(tf.reshape(t, [batch, seq, -1]),
-                                weight(t.shape[-1], units)) + weight(units)
+  def block(self, i, x, causal):
+    """Block i on x (its output exchanged first after the first block), in
+    its style."""
+    if i:
+      x = self.exchange(x)
+    if self.seq == 1:
+      return self.mlp_block(x)
+    style = (i + self.first_style) % 3
+    if style == 2:
+      return self.keras3_block(x, causal)
+    if style == 1:
+      return self.tf_keras_block(x, causal)
+    return self.matmul_block(x, causal)
 
-      def heads_of(t):
-        return tf.transpose(tf.reshape(t, [batch, seq, heads, hidden // heads]),
-                            [0, 2, 1, 3])
+  def mlp_block(self, x):
+    """An MLP's block: dense, GELU."""
+    hidden = self.hidden
+    h = tf.nn.bias_add(tf.linalg.matmul(x, self.weight(hidden, hidden)), self.weight(hidden))
+    return _gelu(h)
 
-      causal = tf.constant(np.tril(np.ones([seq, seq], dtype=bool)))
-      norm = norm if seq > 1 else (lambda t: t)
-      hd = hidden // heads
+  def keras3_block(self, x, causal):
+    """A transformer block as Keras 3 writes it: 3-d dense matmuls, batched
+    einsums."""
+    batch, seq, heads, hidden = self.batch, self.seq, self.heads, self.hidden
+    hd = hidden // heads
+    y = self.norm(x)
+    q, k, v = (tf.reshape(self.dense(y, hidden), [batch, seq, heads, hd]) for _ in range(3))
+    scores = tf.einsum("BTNH,BSNH->BNTS", q, k) * hd ** -0.5
+    probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+    ctx = tf.reshape(tf.einsum("BNTS,BSNH->BTNH", probs, v), [batch * seq, hidden])
+    x = x + tf.reshape(self.dense(ctx, hidden), [batch * seq, hidden])
+    h = _gelu(self.dense(self.norm(x), 4 * hidden))
+    return x + tf.reshape(self.dense(h, hidden), [batch * seq, hidden])
 
-      def block(i, x):
-        if i:
-          x = exchange(x)
-        if seq == 1:   # an MLP's block: dense, GELU
-          h = tf.nn.bias_add(tf.linalg.matmul(x, weight(hidden, hidden)), weight(hidden))
-          return 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-        style = (i + first_style) % 3
-        if style == 2:   # as Keras 3 writes it: 3-d dense matmuls, batched einsums
-          y = norm(x)
-          q, k, v = (tf.reshape(dense(y, hidden), [batch, seq, heads, hd]) for _ in range(3))
-          scores = tf.einsum("BTNH,BSNH->BNTS", q, k) * hd ** -0.5
-          probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
-          ctx = tf.reshape(tf.einsum("BNTS,BSNH->BTNH", probs, v), [batch * seq, hidden])
-          x = x + tf.reshape(dense(ctx, hidden), [batch * seq, hidden])
-          h = dense(norm(x), 4 * hidden)
-          h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-          x = x + tf.reshape(dense(h, hidden), [batch * seq, hidden])
-          return x
-        if style == 1:   # as tf_keras' MultiHeadAttention writes it: einsums
-          y = tf.reshape(norm(x), [batch, seq, hidden])
-          q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
-                     weight(heads, hd) for _ in range(3))
-          scores = tf.einsum("aecd,abcd->acbe", k, q) * hd ** -0.5
-          probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
-          ctx = tf.einsum("acbe,aecd->abcd", probs, v)
-          out = tf.einsum("abcd,cde->abe", ctx, weight(heads, hd, hidden)) + weight(hidden)
-          x = x + tf.reshape(out, [batch * seq, hidden])
-          h = tf.einsum("abc,cd->abd", tf.reshape(norm(x), [batch, seq, hidden]),
-                        weight(hidden, 4 * hidden)) + weight(4 * hidden)
-          h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-          x = x + tf.reshape(tf.einsum("abc,cd->abd", h, weight(4 * hidden, hidden)) +
-                             weight(hidden), [batch * seq, hidden])
-          return x
-        qkv = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 3 * hidden)),
-                             weight(3 * hidden))
-        q, k, v = (heads_of(t) for t in tf.split(qkv, 3, axis=-1))
-        scores = tf.linalg.matmul(q, k, transpose_b=True) * (hidden // heads) ** -0.5
-        probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
-        ctx = tf.reshape(tf.transpose(tf.linalg.matmul(probs, v), [0, 2, 1, 3]),
-                         [batch * seq, hidden])
-        x = x + tf.nn.bias_add(tf.linalg.matmul(ctx, weight(hidden, hidden)), weight(hidden))
-        h = tf.nn.bias_add(tf.linalg.matmul(norm(x), weight(hidden, 4 * hidden)),
-                           weight(4 * hidden))
-        h = 0.5 * h * (1.0 + tf.math.erf(h * 0.7071))
-        x = x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
-                               weight(hidden))
-        return x
+  def tf_keras_block(self, x, causal):
+    """A transformer block as tf_keras' MultiHeadAttention writes it: einsums."""
+    batch, seq, heads, hidden = self.batch, self.seq, self.heads, self.hidden
+    hd = hidden // heads
+    weight = self.weight
+    y = tf.reshape(self.norm(x), [batch, seq, hidden])
+    q, k, v = (tf.einsum("abc,cde->abde", y, weight(hidden, heads, hd)) +
+               weight(heads, hd) for _ in range(3))
+    scores = tf.einsum("aecd,abcd->acbe", k, q) * hd ** -0.5
+    probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+    ctx = tf.einsum("acbe,aecd->abcd", probs, v)
+    out = tf.einsum("abcd,cde->abe", ctx, weight(heads, hd, hidden)) + weight(hidden)
+    x = x + tf.reshape(out, [batch * seq, hidden])
+    h = tf.einsum("abc,cd->abd", tf.reshape(self.norm(x), [batch, seq, hidden]),
+                  weight(hidden, 4 * hidden)) + weight(4 * hidden)
+    h = _gelu(h)
+    return x + tf.reshape(tf.einsum("abc,cd->abd", h, weight(4 * hidden, hidden)) +
+                          weight(hidden), [batch * seq, hidden])
 
-      for i in range(blocks):
-        with stage_of(i):
-          x = block(i, x)
-      with stage_of(blocks):
-        logits = tf.linalg.matmul(norm(exchange(x)), weight(hidden, vocab))
-        return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
-            labels=labels, logits=logits))
+  def matmul_block(self, x, causal):
+    """A transformer block of 2-d matmuls and head transposes."""
+    batch, seq, heads, hidden = self.batch, self.seq, self.heads, self.hidden
+    weight = self.weight
+    qkv = tf.nn.bias_add(tf.linalg.matmul(self.norm(x), weight(hidden, 3 * hidden)),
+                         weight(3 * hidden))
+    q, k, v = (self.heads_of(t) for t in tf.split(qkv, 3, axis=-1))
+    scores = tf.linalg.matmul(q, k, transpose_b=True) * (hidden // heads) ** -0.5
+    probs = tf.nn.softmax(tf.where(causal, scores, -1e9))
+    ctx = tf.reshape(tf.transpose(tf.linalg.matmul(probs, v), [0, 2, 1, 3]),
+                     [batch * seq, hidden])
+    x = x + tf.nn.bias_add(tf.linalg.matmul(ctx, weight(hidden, hidden)), weight(hidden))
+    h = tf.nn.bias_add(tf.linalg.matmul(self.norm(x), weight(hidden, 4 * hidden)),
+                       weight(4 * hidden))
+    h = _gelu(h)
+    return x + tf.nn.bias_add(tf.linalg.matmul(h, weight(4 * hidden, hidden)),
+                              weight(hidden))
 
-    rows = batch // microbatches * seq
+  def loss(self, x, labels):
+    """The mean cross-entropy of one micro-batch: its blocks, each on its
+    stage, then the head and the loss on the last."""
+    self.used = 0
+    causal = tf.constant(np.tril(np.ones([self.seq, self.seq], dtype=bool)))
+    for i in range(self.blocks):
+      with self.stage_of(i):
+        x = self.block(i, x, causal)
+    with self.stage_of(self.blocks):
+      logits = tf.linalg.matmul(self.norm(self.exchange(x)),
+                                self.weight(self.hidden, self.vocab))
+      return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(
+          labels=labels, logits=logits))
+
+  def gradients(self, tokens, labels):
+    """The weights' gradients summed over the micro-batches, each slice
+    after the previous one's gradients (the sums are then the whole batch's
+    mean's gradients)."""
+    m = self.microbatches
+    rows = self.batch * self.seq
     sums = None
-    for j in range(microbatches):
-      if microbatches == 1:
+    for j in range(m):
+      if m == 1:
         x, y = tokens, labels
       else:
         rows_j = tokens[j * rows:(j + 1) * rows]
         with tf.control_dependencies(sums or []):
           x = tf.identity(rows_j)
         y = labels[j * rows:(j + 1) * rows]
-      loss = loss_of(x, y, batch // microbatches)
-      if microbatches > 1:   # the sums are then the whole batch's mean's gradients
-        loss = loss / microbatches
-      grads = tf.gradients(loss, weights)
+      loss = self.loss(x, y)
+      if m > 1:
+        loss = loss / m
+      grads = tf.gradients(loss, self.weights)
       sums = grads if sums is None else [a + b for a, b in zip(sums, grads)]
+    return sums
+
+  def update(self, sums):
+    """Adam's update of every weight by its gradient in `sums`, on the
+    weight's stage, under the name scope 'update'."""
     with tf.name_scope("update"):
-      for w, grad in zip(weights, sums):
+      for w, grad in zip(self.weights, sums):
         with tf.device(w.device):   # its stage's (stage_of)
-          m, v = feed(w.shape), feed(w.shape)
+          m, v = _feed(w.shape), _feed(w.shape)
           m = 0.9 * m + 0.1 * grad
           v = 0.999 * v + 0.001 * tf.square(grad)
           tf.identity(w - 1e-3 * m / (tf.sqrt(v) + 1e-7))
-  return g.as_graph_def()
 
 
 def training_step(k, microbatches=1, exchange_over=0, exchange_group=0):

@@ -6,8 +6,10 @@ was measured on). It only sequences the work: the graphs, the runs and the
 device measurements are tfsplit.calibration's other modules, the fits
 tfsplit.cost.fitting.
 """
+import dataclasses
 import os
 import platform
+from typing import Callable, Optional
 
 import tensorflow as tf
 from absl import logging
@@ -102,22 +104,72 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   threads (their wake-ups wait for the cores), which would skew one op type
   against another; the level of a step comes from the untraced times.
   """
-  say = progress or (lambda m: logging.info("%s", m))
-  say("micro-benchmark: matmul, elementwise, transpose, reduce, copy; "
-      "dispatch chain")
-  entries, profile, graph, shapes = micro_benchmark(repeats, traced)
+  run = _Calibration(repeats, traced, progress or (lambda m: logging.info("%s", m)))
+  entries, graph, shapes = _chains(run)
+  devices = _logical_devices(run)
+  _roofline(run, entries, graph, shapes)
+  for i, graph_def in enumerate(graph_defs):
+    run.say(f"graph {i + 1}/{len(graph_defs)}: {len(graph_def.node)} nodes")
+    _user_graph(run, graph_def)
+  if cluster is None:
+    cluster = _this_machine(run.table)
+  steps, microbatched = _training_steps(run)
+  chain_overhead = _fit_lines(run, cluster, steps, microbatched)
+  table = run.table
+  table.graph_scale, table.op_overhead = step_scale(table, steps + microbatched, cluster)
+  table.kernel_concurrency, table.gap_concurrency = kernel_and_gap_concurrency(
+      table, steps, {int(n): r for n, r in devices["per_step"].items()}, cluster)
+  table.machine["chain_op_overhead"] = chain_overhead
+  return table
+
+
+@dataclasses.dataclass
+class _Calibration:
+  """What the phases of one calibrate() share: how many runs each
+  measurement takes, where progress goes, the table being filled, and the
+  op signatures measured so far."""
+  repeats: int
+  traced: int
+  say: Callable[[str], None]
+  table: Optional[op_cost.CostTable] = None
+  # signature -> (its line, its OpCost): the ops the lines are fitted on.
+  costs: dict = dataclasses.field(default_factory=dict)
+  # signature -> seconds: every op time measured, the chains' and the
+  # graphs'. The lines are fitted on all of them; only the graphs' own ops
+  # keep their times in the table. A chain's op runs alone: it costs less
+  # than the same op inside a step, so a model whose shapes happen to match
+  # the chains' (a raw TF GPT's 2-d MatMuls and BiasAdds) would be priced
+  # below one priced by the lines (Keras' einsums).
+  measured: dict = dataclasses.field(default_factory=dict)
+
+
+def _chains(run):
+  """The micro-benchmark and the dispatch chains: makes run.table with
+  the step model fitted on them (time_scale, op and step overheads);
+  returns the micro-benchmark's (entries, Graph, shapes)."""
+  run.say("micro-benchmark: matmul, elementwise, transpose, reduce, copy; "
+          "dispatch chain")
+  entries, profile, graph, shapes = micro_benchmark(run.repeats, run.traced)
   runs = [(profile.step_time,) + _sequential_sum(
       graph, {n: profile.fastest(n) for n in graph.node_names()})]
   for length in (graphs.DISPATCH_CHAIN // 4, graphs.DISPATCH_CHAIN):
-    _, chain_profile, chain, _ = micro_benchmark(repeats, traced,
+    _, chain_profile, chain, _ = micro_benchmark(run.repeats, run.traced,
                                                  graphs.dispatch_graph(length))
     runs.append((chain_profile.step_time,) + _sequential_sum(
         chain, {n: chain_profile.fastest(n) for n in chain.node_names()}))
-  table = op_cost.CostTable(machine=machine_info())
+  table = run.table = op_cost.CostTable(machine=machine_info())
   table.time_scale, table.op_overhead, table.step_overhead = \
       fit_step_model(runs)
-  say("logical devices: concurrency, collectives, transfers")
-  devices = device_benchmark(repeats)
+  return entries, graph, shapes
+
+
+def _logical_devices(run):
+  """Concurrency, collectives and transfers over logical CPUs, and the
+  cost of pipeline stages, into run.table; returns device_benchmark's
+  measurements."""
+  table = run.table
+  run.say("logical devices: concurrency, collectives, transfers")
+  devices = device_benchmark(run.repeats)
   for record, key in (("step_concurrency", "per_step"), ("chain_collective", "chain"),
                       ("in_step_collective", "in_step")):   # JSON keys are strings
     table.machine[record] = {str(n): r for n, r in devices[key].items()}
@@ -128,10 +180,16 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.machine["in_step_collectives_at_once"] = {f"{n}x{g}": t
                                                  for (n, g), t in devices["at_once"].items()}
   table.collective_overlap = devices["overlap"]
-  say("pipeline stages: small MLP steps cut into 2 and 4 stages")
-  table.stage_overhead, per_cut = stage_overhead(repeats, table.transfer_overhead)
+  run.say("pipeline stages: small MLP steps cut into 2 and 4 stages")
+  table.stage_overhead, per_cut = stage_overhead(run.repeats, table.transfer_overhead)
   table.machine["stage_cuts"] = {f"{k}x{n}": t for (k, n), t in per_cut.items()}
-  costs = {}
+  return devices
+
+
+def _roofline(run, entries, graph, shapes):
+  """The costs of the micro-benchmark's measured ops (run.costs, their
+  times run.measured), and the best MatMul FLOP/s and copy bandwidth among
+  them: the table's roofline."""
   best_flops = best_bw = 0.0
   for node in graph.nodes:
     sig = op_cost.signature(node, shapes)
@@ -139,45 +197,48 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
       continue
     seconds = entries[sig]
     cost = op_cost.node_cost(node, shapes, graph)
-    costs[sig] = (cost.line, cost)
+    run.costs[sig] = (cost.line, cost)
     if node.op == "MatMul" and cost.flops:
       best_flops = max(best_flops, cost.flops / seconds)
     if node.op == "DeepCopy" and cost.bytes_moved:
       best_bw = max(best_bw, cost.bytes_moved / seconds)
-  table.flops = best_flops or None
-  table.bandwidth = best_bw or None
-  # The lines are fitted on every measured op time, the chains' and the
-  # graphs'; only the graphs' own ops keep their times in the table. A
-  # chain's op runs alone: it costs less than the same op inside a step, so
-  # a model whose shapes happen to match the chains' (a raw TF GPT's 2-d
-  # MatMuls and BiasAdds) would be priced below one priced by the lines
-  # (Keras' einsums).
-  measured = dict(entries)
-  for i, graph_def in enumerate(graph_defs):
-    say(f"graph {i + 1}/{len(graph_defs)}: {len(graph_def.node)} nodes")
-    g = Graph(graph_def)
-    g_shapes = infer_shapes(g)
-    g_profile = profile_graph(graph_def, repeats=repeats, traced=traced)
-    g_entries = entries_from_profile(g, g_shapes, g_profile)
-    measured.update(g_entries)
-    table.entries.update(g_entries)
-    for node in g.nodes:
-      sig = op_cost.signature(node, g_shapes)
-      if sig in g_entries and sig not in costs:
-        cost = op_cost.node_cost(node, g_shapes, g)
-        costs[sig] = (cost.line, cost)
-    table.machine.setdefault("graphs", []).append(
-        {"nodes": len(graph_def.node), "step_time": g_profile.step_time,
-         "traced_sum": g_profile.traced_sum})
-  if cluster is None:
-    cluster = ClusterSpec([Device("this", "h", "this", 1, table.bandwidth or 1e10,
-                                  {"float32": table.flops or 1e10})],
-                          [Host("h", LOCAL, LOCAL)], name="this machine")
-  model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
-  # Ops inside a step wait for the cores other ops hold: the op types the
-  # small training steps run are fitted on their times there, the others
-  # on the chains. The steps' entries stay out of the table: only the lines
-  # (fixed + factor * roofline) carry over to other shapes.
+  run.table.flops = best_flops or None
+  run.table.bandwidth = best_bw or None
+  run.measured = dict(entries)
+
+
+def _user_graph(run, graph_def):
+  """A user's graph profiled: its ops' times into the table's entries and
+  run.measured, their costs into run.costs (a signature the chains gave
+  keeps theirs)."""
+  g = Graph(graph_def)
+  g_shapes = infer_shapes(g)
+  g_profile = profile_graph(graph_def, repeats=run.repeats, traced=run.traced)
+  g_entries = entries_from_profile(g, g_shapes, g_profile)
+  run.measured.update(g_entries)
+  run.table.entries.update(g_entries)
+  for node in g.nodes:
+    sig = op_cost.signature(node, g_shapes)
+    if sig in g_entries and sig not in run.costs:
+      cost = op_cost.node_cost(node, g_shapes, g)
+      run.costs[sig] = (cost.line, cost)
+  run.table.machine.setdefault("graphs", []).append(
+      {"nodes": len(graph_def.node), "step_time": g_profile.step_time,
+       "traced_sum": g_profile.traced_sum})
+
+
+def _this_machine(table):
+  """A ClusterSpec of one device: this machine at its measured roofline."""
+  return ClusterSpec([Device("this", "h", "this", 1, table.bandwidth or 1e10,
+                             {"float32": table.flops or 1e10})],
+                     [Host("h", LOCAL, LOCAL)], name="this machine")
+
+
+def _training_steps(run):
+  """The small training steps timed (training_steps), with the launch
+  cost of a step and of each argument and output beside them into the
+  table; returns (steps, micro-batched steps)."""
+  table = run.table
   # The launch cost of a step, measured directly (a call of a 2-op graph;
   # the intercept of the chains' fit swings by milliseconds with the noise),
   # in turns with the training steps: timed alone, at another moment, it
@@ -188,11 +249,22 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
            "arguments": graphs.call_graph(arguments=CALL_TENSORS),
            "outputs": graphs.call_graph(outputs=CALL_TENSORS)}
   steps, microbatched, beside = training_steps(
-      repeats, traced, say, beside={key: function_and_args(g, Graph(g), 0)
-                                    for key, g in calls.items()})
+      run.repeats, run.traced, run.say, beside={key: function_and_args(g, Graph(g), 0)
+                                                for key, g in calls.items()})
   table.step_overhead = beside["launch"]
   table.argument_overhead, table.output_overhead = call_costs(beside, beside["launch"])
   table.machine["training_steps"] = [profile.step_time for _, _, profile in steps]
+  return steps, microbatched
+
+
+def _fit_lines(run, cluster, steps, microbatched):
+  """Each op line's fixed seconds and factor into the table: the op types
+  the small training steps run fitted on their times there, the others on
+  the chains and graphs. The steps' entries stay out of the table: only the
+  lines (fixed + factor * roofline) carry over to other shapes. Leaves the
+  table's op_overhead 0 and returns the chains' op overhead it held."""
+  table, costs, measured = run.table, run.costs, run.measured
+  model = op_cost.CostModel(cluster, table=table, op_overhead=0.0)
   points = in_step_points(steps + microbatched, table.step_overhead,
                           table.graph_call_overhead)
   in_step = {op for op, _, _ in points.values()}
@@ -228,8 +300,4 @@ def calibrate(graph_defs=(), repeats=10, traced=5, cluster=None,
   table.fit_factors({sig: (op, roof) for sig, (op, roof, _) in fit.items()},
                     seconds={sig: t for sig, (_, _, t) in fit.items()}, fixed=alone)
   table.time_scale = time_scale
-  table.graph_scale, table.op_overhead = step_scale(table, steps + microbatched, cluster)
-  table.kernel_concurrency, table.gap_concurrency = kernel_and_gap_concurrency(
-      table, steps, {int(n): r for n, r in devices["per_step"].items()}, cluster)
-  table.machine["chain_op_overhead"] = chain_overhead
-  return table
+  return chain_overhead

@@ -173,13 +173,17 @@ def _rebuild(graph, foldable, values, expand, controls=None):
   Built in one pass over `graph`, from its consumer index: each node is
   copied once. Without anything to fold or expand, the GraphDef itself.
   """
-  graph_def = graph.graph_def
-  nodes = graph.nodes
-  identity_ns = [n.name for n in nodes if n.op == "IdentityN"] if expand else []
+  identity_ns = [n.name for n in graph.nodes if n.op == "IdentityN"] if expand else []
   if not values and not identity_ns:
-    return graph_def, {}
-  # Input texts that name an output of a folded ShapeN or an IdentityN ->
-  # the node now holding that output.
+    return graph.graph_def, {}
+  return _Rebuilder(graph, foldable, values, expand, controls, identity_ns).build()
+
+
+def _redirects(graph, values, identity_ns):
+  """({input text: node now holding that output}, {folded output Const:
+  its value}): the texts that name an output of a folded ShapeN (now one
+  Const per output) or of an IdentityN being expanded (now one Identity
+  per output)."""
   redirect, folded_outputs = {}, {}
   for name, outs in values.items():
     if len(outs) > 1:
@@ -194,122 +198,160 @@ def _rebuild(graph, foldable, values, expand, controls=None):
       redirect[f"{name}:{k}"] = f"{name}/output_{k}"
     if count:
       redirect[name] = f"{name}/output_0"
-  redirected = {c for name in list(values) + identity_ns if name in redirect
-                for c, _ in graph.consumers(name)}
+  return redirect, folded_outputs
 
-  def input_texts(name, node):
+
+class _Rebuilder(object):
+  """One _rebuild pass: what is folded and how the inputs that named the
+  outputs it replaces are redirected, and the GraphDef it writes (with
+  `made`, the Identity and NoOp nodes of each expanded IdentityN)."""
+
+  def __init__(self, graph, foldable, values, expand, controls, identity_ns):
+    self.graph = graph
+    self.foldable = foldable
+    self.values = values
+    self.expand = expand
+    self.controls = controls or {}
+    self.redirect, self.folded_outputs = _redirects(graph, values, identity_ns)
+    # The consumers of a redirected output: only their inputs are rewritten.
+    self.redirected = {c for name in list(values) + identity_ns if name in self.redirect
+                       for c, _ in graph.consumers(name)}
+    self.identities = {}  # reduction over empty axes -> whether it becomes an Identity
+    self.out = graph_pb2.GraphDef()
+    self.out.versions.CopyFrom(graph.graph_def.versions)
+    self.out.library.CopyFrom(graph.graph_def.library)
+    self.made = {}
+
+  def build(self):
+    """(GraphDef, made): every node of the graph copied, folded or
+    expanded in its order."""
+    for name, node in zip(self.graph.node_names(), self.graph.nodes):
+      outs = self.values.get(name)
+      if outs is not None:
+        self.add_folded(name, node, outs)
+      elif name not in self.foldable:   # else interior of a folded computation
+        self.add_kept(name, node)
+    return self.out, self.made
+
+  def input_texts(self, name, node):
+    """The input texts of `node` with redirected outputs renamed."""
     texts = list(node.input)
-    if name in redirected:
-      texts = [redirect.get(t, t) for t in texts]
+    if name in self.redirected:
+      texts = [self.redirect.get(t, t) for t in texts]
     return texts
 
-  def is_empty_const(name):  # an empty vector Const in the output
-    outs = values.get(name)
+  def is_empty_const(self, name):
+    """Whether `name` is an empty vector Const in the output."""
+    outs = self.values.get(name)
     if outs is not None:
       return len(outs) == 1 and _is_empty_vector(outs[0].shape)
-    if name in folded_outputs:
-      return _is_empty_vector(folded_outputs[name].shape)
-    node = graph.get(name)
-    if node is None or node.op != "Const" or node.input or name in foldable:
+    if name in self.folded_outputs:
+      return _is_empty_vector(self.folded_outputs[name].shape)
+    node = self.graph.get(name)
+    if node is None or node.op != "Const" or node.input or name in self.foldable:
       return False
     return _is_empty_vector([d.size for d in node.attr["value"].tensor.tensor_shape.dim])
 
-  identities = {}  # reduction over empty axes -> whether it becomes an Identity
-
-  def becomes_identity(name, node):
-    found = identities.get(name)
+  def becomes_identity(self, name, node):
+    """Whether `node` is a reduction over an empty constant of axes."""
+    found = self.identities.get(name)
     if found is None:
       found = False
-      if values and node.op in _REDUCTIONS and len(node.input) >= 2:
+      if self.values and node.op in _REDUCTIONS and len(node.input) >= 2:
         axes = node.input[1]
-        if name in redirected:
-          axes = redirect.get(axes, axes)
+        if name in self.redirected:
+          axes = self.redirect.get(axes, axes)
         if axes.endswith(":0"):
           axes = axes[:-2]
-        found = is_empty_const(axes)
-      identities[name] = found
+        found = self.is_empty_const(axes)
+      self.identities[name] = found
     return found
 
-  def orphaned(name):  # a Const that had readers before and has none now
-    readers = graph.consumers(name)
+  def orphaned(self, name):
+    """Whether `name` had readers before and has none now."""
+    readers = self.graph.consumers(name)
     return bool(readers) and all(
-        c in foldable or (index == 1 and becomes_identity(c, graph.node(c)))
+        c in self.foldable or (index == 1 and self.becomes_identity(c, self.graph.node(c)))
         for c, index in readers)
 
-  out = graph_pb2.GraphDef()
-  out.versions.CopyFrom(graph_def.versions)
-  out.library.CopyFrom(graph_def.library)
-  made = {}
+  def waits_for(self, name):
+    """The control inputs of a folded constant, on nodes still there."""
+    return ["^" + c for c in sorted(self.controls.get(name, ()))
+            if c not in self.foldable or c in self.values]
 
-  def waits_for(name):  # control inputs of a folded constant, on nodes still there
-    return ["^" + c for c in sorted((controls or {}).get(name, ()))
-            if c not in foldable or c in values]
-
-  def add_identity_n(name, device, data, controls, types):
-    if not expand:
-      ident = out.node.add(name=name, op="IdentityN", device=device, input=data + controls)
+  def add_identity_n(self, name, device, data, waits, types):
+    """An IdentityN `name` over `data` (after `waits`, control inputs), or
+    with `expand` one Identity per output and a NoOp keeping the name."""
+    if not self.expand:
+      ident = self.out.node.add(name=name, op="IdentityN", device=device,
+                                input=data + waits)
       ident.attr["T"].list.type.extend(types)
       return
     outs = []
     for k, (text, dtype) in enumerate(zip(data, types)):
-      ident = out.node.add(name=f"{name}/output_{k}", op="Identity", device=device,
-                           input=[text] + controls)
+      ident = self.out.node.add(name=f"{name}/output_{k}", op="Identity", device=device,
+                                input=[text] + waits)
       ident.attr["T"].type = dtype
       outs.append(ident.name)
-      made[ident.name] = (name, k)
-    out.node.add(name=name, op="NoOp", device=device, input=["^" + o for o in outs])
-    made[name] = (name, None)
+      self.made[ident.name] = (name, k)
+    self.out.node.add(name=name, op="NoOp", device=device, input=["^" + o for o in outs])
+    self.made[name] = (name, None)
 
-  for name, node in zip(graph.node_names(), nodes):
-    outs = values.get(name)
-    if outs is not None:
-      if len(outs) == 1:
-        if not orphaned(name):
-          const = out.node.add()
-          const.CopyFrom(_const_node(name, outs[0], node.device))
-          const.input.extend(waits_for(name))
-        continue
-      # Multi-output (ShapeN): one Const per output, and an IdentityN over
-      # them only if some node waits on this one (nothing else reads it).
-      consts = []
-      for i, v in enumerate(outs):
-        const = _const_node(f"{name}/folded_{i}", v, node.device)
-        const.input.extend(waits_for(name))
-        if not orphaned(const.name):
-          out.node.add().CopyFrom(const)
-        consts.append(const.name)
-      if graph.consumers(name, -1):
-        add_identity_n(name, node.device, consts, [],
-                       [tf.as_dtype(v.dtype).as_datatype_enum for v in outs])
-      continue
-    if name in foldable:
-      continue  # interior of a folded computation: no longer used
+  def add_folded(self, name, node, outs):
+    """The Const of a folded node, unless nothing reads it now; for several
+    outputs (ShapeN) one Const per output, and an IdentityN over them only
+    if some node waits on this one (nothing else reads it)."""
+    if len(outs) == 1:
+      if not self.orphaned(name):
+        const = self.out.node.add()
+        const.CopyFrom(_const_node(name, outs[0], node.device))
+        const.input.extend(self.waits_for(name))
+      return
+    consts = []
+    for i, v in enumerate(outs):
+      const = _const_node(f"{name}/folded_{i}", v, node.device)
+      const.input.extend(self.waits_for(name))
+      if not self.orphaned(const.name):
+        self.out.node.add().CopyFrom(const)
+      consts.append(const.name)
+    if self.graph.consumers(name, -1):
+      self.add_identity_n(name, node.device, consts, [],
+                          [tf.as_dtype(v.dtype).as_datatype_enum for v in outs])
+
+  def add_kept(self, name, node):
+    """A node not folded: an expanded IdentityN, nothing for an orphaned
+    Const, else a copy with its redirected inputs renamed (an Identity for
+    a reduction over empty axes)."""
     op = node.op
-    if op == "IdentityN" and expand:
-      texts = input_texts(name, node)
-      add_identity_n(name, node.device, [t for t in texts if not t.startswith("^")],
-                     [t for t in texts if t.startswith("^")], node.attr["T"].list.type)
-      continue
-    if op == "Const" and values and variables_lib.OUTPUT_INDEX_ATTR not in node.attr \
-        and orphaned(name):
-      continue
-    new = out.node.add()
+    if op == "IdentityN" and self.expand:
+      texts = self.input_texts(name, node)
+      self.add_identity_n(name, node.device, [t for t in texts if not t.startswith("^")],
+                          [t for t in texts if t.startswith("^")], node.attr["T"].list.type)
+      return
+    if op == "Const" and self.values and variables_lib.OUTPUT_INDEX_ATTR not in node.attr \
+        and self.orphaned(name):
+      return
+    new = self.out.node.add()
     new.CopyFrom(node)
-    if name in redirected:
-      texts = input_texts(name, node)
+    if name in self.redirected:
+      texts = self.input_texts(name, node)
       for i, text in enumerate(texts):
         if text != new.input[i]:
           new.input[i] = text
-    if values and becomes_identity(name, node):
-      dtype = node.attr["T"].type
-      inputs = [new.input[0]] + [t for t in new.input[2:] if t.startswith("^")]
-      new.op = "Identity"
-      del new.input[:]
-      new.input.extend(inputs)
-      for key in [k for k in new.attr if not k.startswith("_")]:
-        del new.attr[key]
-      new.attr["T"].type = dtype
-  return out, made
+    if self.values and self.becomes_identity(name, node):
+      _make_identity(new, node.attr["T"].type)
+
+
+def _make_identity(new, dtype):
+  """Turn `new`, a reduction, into an Identity of its input (keeping its
+  control inputs and its private attrs)."""
+  inputs = [new.input[0]] + [t for t in new.input[2:] if t.startswith("^")]
+  new.op = "Identity"
+  del new.input[:]
+  new.input.extend(inputs)
+  for key in [k for k in new.attr if not k.startswith("_")]:
+    del new.attr[key]
+  new.attr["T"].type = dtype
 
 
 def fold_and_expand(graph, shapes):

@@ -6,11 +6,11 @@ a reserve of each device's memory free.
     from tfsplit.plan import plan_graph
     plan, result = plan_graph(graph_def, devices=8, device_memory="16GB",
                               cluster="h100-80gb")
-    split_graph(graph_def, Mesh.parse(plan.mesh), **other options of
-                plan.options(graph_def))
+    config = plan.bind(graph_def).apply(SplitConfig(Mesh.parse(plan.mesh)))
+    split_graph(graph_def, config)
 
 entry.py holds the entry points re-exported here; profile.py turns the
-graph into one row per layer, space.py prices a candidate from those rows,
+graph into one row per layer, costing.py prices a candidate (space.py) from those rows,
 search.py finds the fastest candidate that fits the per-device memory (its
 stage cuts from the dynamic program of cuts.py), plan.py reads and writes
 the chosen plan as JSON.

@@ -30,7 +30,7 @@ batch on one device of the cluster:
 and, per cut between layers k and k + 1, the bytes of forward activations
 crossing it. A calibration table made on this machine adds what its
 logical devices pay apart from ops (concurrency, collective and transfer
-overheads: see space.py). Everything but the per-op overhead scales linearly with the
+overheads: see costing.py). Everything but the per-op overhead scales linearly with the
 batch, so a candidate's micro-batch only rescales the row. `from_graph` measures a GraphDef;
 `synthetic_gpt` builds the same table from a GPT's sizes (benchmarks of
 models too large to trace here).

@@ -45,6 +45,7 @@ from typing import List, Optional
 import numpy as np
 
 from tfsplit.errors import PlanError
+from tfsplit.plan import costing as costing_lib
 from tfsplit.plan import cuts, space
 from tfsplit.units import format_bytes
 
@@ -59,7 +60,7 @@ class SearchResult:
   seconds: float
   devices: int
   device_memory: Optional[int]       # the memory cap per device
-  costing: Optional[space.Costing] = None   # what priced them (for reports)
+  costing: Optional[costing_lib.Costing] = None   # what priced them (for reports)
   reserve: float = 0.0               # fraction of the cap kept free
   # Of a model with experts: the fastest fitting plan priced with and
   # without an ep axis ({True: ..., False: ...}; why ep did or did not win).
@@ -144,7 +145,7 @@ class Planner(object):
       raise PlanError(f"unknown pipeline schedule '{unknown[0]}'; choose among: "
                       f"{', '.join(space.SCHEDULES)}")
     self.host_size = host_size if host_size is not None else _host_size(cluster)
-    self.costing = space.Costing(profile, cluster, bucket_bytes, self.device_memory)
+    self.costing = costing_lib.Costing(profile, cluster, bucket_bytes, self.device_memory)
     self._cuts = {}
     self._blocks = None   # every repeated block (_all_replicated)
     self._work = {}
@@ -242,7 +243,7 @@ class Planner(object):
         c.dp if c.zero else 1)
     if c.offload:
       extra_update = (extra_update * costing.host_update_scale +
-                      2 * more / space.HOST_LINK.bandwidth)
+                      2 * more / costing_lib.HOST_LINK.bandwidth)
     saved = c.microbatches * ((f + b) - (rf + rb)) - extra_update
     if c.dp > 1:
       link = costing.dp_link(c)
@@ -300,7 +301,7 @@ class Planner(object):
     div = self.costing.weights_divisor(c)
     costing = self.costing
     host = float((costing.upd / div * costing.host_update_scale +
-                  2 * costing.params / div / space.HOST_LINK.bandwidth).sum())
+                  2 * costing.params / div / costing_lib.HOST_LINK.bandwidth).sum())
     return self.lower_bound(c) + host / c.pp
 
   def variants(self, c, limit=None):
