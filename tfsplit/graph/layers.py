@@ -1,17 +1,13 @@
 """Layer detection: forward ops, their gradient ops and their updates, per layer.
 
-Roles come from the graph's structure, layers from name scopes:
-- *forward*: data ancestors of the graph's outputs (the loss of a training
-  step), minus gradient ops;
-- *backward*: ops named `gradient_tape/<forward scope>/...` (TF2) or
-  `gradients/<forward scope>/...` (TF1), plus unscoped ops fed only by them
-  (e.g. the AddN that sums a weight's gradients) and a custom gradient's
-  unscoped ops (tf.nn.silu's), which read activations and feed the backward;
-- *update*: everything else: the optimizer's ops and variable writes.
+Roles come from the graph's structure (graph/layer_roles.py): *forward*, the
+outputs' ancestors; *backward*, ops named `gradient_tape/<forward scope>/...`
+(TF2) or `gradients/<forward scope>/...` (TF1) and what only computes
+gradients; *update*, the optimizer's ops and variable writes.
 
-Layers are found by structure: the model's repeated blocks are sibling
-scopes, at any depth, with the same forward ops and parameter shapes (of all
-such groups, the one holding the most parameters: `gpt/block_3`, or
+Layers are name scopes, found by structure: the model's repeated blocks are
+sibling scopes, at any depth, with the same forward ops and parameter shapes
+(of all such groups, the one holding the most parameters: `gpt/block_3`, or
 `causal_lm/backbone/block_3` in a task model wrapping a backbone). Each block
 is a layer; elsewhere a layer is the scope that branches off the blocks'
 parent (the embedding, the final norm, a task model's head). Without repeated
@@ -36,17 +32,17 @@ from tfsplit import constants
 from tfsplit.constants import BACKWARD, FORWARD, ROLES, UPDATE
 from tfsplit.graph import flops as flops_lib
 from tfsplit.graph import variables as variables_lib
-from tfsplit.graph.endpoints import graph_outputs
+from tfsplit.graph.handles import BoundedWalk, handle_of, variables_used_by
 from tfsplit.graph.ir import Graph, parse_input, without_gc
+from tfsplit.graph.layer_roles import GraphFacts, find_roles
+# Named here too for the code that marks recompute copies (memory/recompute.py).
+from tfsplit.graph.layer_roles import RECOMPUTE_OF_ATTR  # pylint: disable=unused-import
 
 TOP_LAYER = "(top)"          # forward ops above the layer scopes (e.g. the loss)
 OPTIMIZER_LAYER = "(optimizer)"  # update ops shared by all layers
 _MAX_GRADIENT_SEARCH = 256
 _NOT_ACTIVATIONS = frozenset(["Const", "ReadVariableOp", "VarHandleOp",
                               "Placeholder", "Shape", "ShapeN", "Size", "Rank"])
-# On a forward op's copy made for the backward pass (memory/recompute.py): the
-# original's name. The copy is a backward op of the original's layer.
-RECOMPUTE_OF_ATTR = "_tfsplit_recompute_of"
 
 
 @dataclasses.dataclass
@@ -103,11 +99,6 @@ class LayerReport:
   def model_layers(self):
     """Layers that hold trainable parameters (what pipelining cuts)."""
     return [l for l in self.layers if l.variables]
-
-
-def _strip_grad(name):
-  m = constants.gradient_scope_match(name)
-  return (name[m.end():], True) if m else (name, False)
 
 
 def _scope(name):
@@ -187,6 +178,21 @@ def analysed(graph, variables=None, shapes=None):
   return graph, variables, shapes
 
 
+@dataclasses.dataclass
+class _Index(GraphFacts):
+  """What the phases of detect_layers share: the graph's facts and the
+  findings, set from what a phase returns or in place where its docstring
+  says so."""
+  role: Dict[str, str] = None
+  stripped: Dict[str, str] = None   # node -> its name without gradient scope
+  custom: set = None                # a custom gradient's unscoped ops
+  scope_of: Dict[str, list] = None  # node -> its layer scope
+  layers: Dict[str, Layer] = None   # layer name -> Layer, in order of creation
+  layer_of: Dict[str, str] = None
+  variable_layer: Dict[str, str] = None
+  readers: Dict[str, List[str]] = None  # variable -> layers reading it forward
+
+
 @without_gc
 def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   """LayerReport for a Graph (or GraphDef).
@@ -195,334 +201,336 @@ def detect_layers(graph, shapes=None, variables=None, depth=None, order=None):
   depth: force the scope depth of layers (default: found from the graph).
   """
   graph, variables, shapes = analysed(graph, variables, shapes)
-  order = order or graph.topological_order()
-  var_nodes = {v.node: v for v in variables}
-  # NodeDefs and op types looked up once: the loops below read them per node
-  # many times, and each proto field read makes a new Python object.
-  nodes = {name: graph.node(name) for name in order}
-  op_of = {name: node.op for name, node in nodes.items()}
-
+  ix = _Index.of(graph, order or graph.topological_order(), variables)
   # 1. Roles.
-  stripped = {}
-  role = {}
-  for name in order:
-    base, is_grad = _strip_grad(name)
-    attr = nodes[name].attr
-    if RECOMPUTE_OF_ATTR in attr:
-      base, is_grad = _strip_grad(attr[RECOMPUTE_OF_ATTR].s.decode())[0], True
-    stripped[name] = base
-    if is_grad:
-      role[name] = BACKWARD
-  forward_set = graph.data_ancestors(graph_outputs(graph))
-  # The nodes each node reads data from, listed once for the loops below.
-  sources = {name: [src for src, _ in graph.data_inputs(name)] for name in order}
-  # Constants and arithmetic on constants only: they carry no role of their
-  # own, so a gradient op taking one (the index bound of an UnsortedSegmentSum
-  # densifying an embedding gradient) stays a gradient op.
-  constant = set()
-  for name in order:
-    if name in role:
-      continue
-    data_in = sources[name]
-    if (op_of[name] == "Const" or data_in and all(s in constant for s in data_in)) \
-        and not nodes[name].input[len(data_in):]:
-      constant.add(name)
-  for name in order:
-    if name in role:
-      continue
-    op = op_of[name]
-    data_in = sources[name]
-    if name in forward_set and not any(role.get(s) == BACKWARD for s in data_in):
-      role[name] = FORWARD
-    elif data_in and not constants.is_write_op(op) and op != "IdentityN" and any(
-        role.get(s) == BACKWARD for s in data_in) and all(
-            role.get(s) in (BACKWARD, FORWARD) or s in constant for s in data_in):
-      role[name] = BACKWARD  # e.g. the AddN summing one weight's gradients
-    else:
-      role[name] = UPDATE
-  for name in var_nodes:  # handles are bookkeeping, not compute
-    role[name] = FORWARD if name in forward_set else UPDATE
-  # A custom gradient's ops (tf.nn.silu's Sigmoid(x), Square(x), ...) take no
-  # gradient scope and read forward activations, so the rules above make them
-  # updates: what computes from activations, gradients and constants only
-  # and feeds the backward is part of it.
-  custom = set()
-  for name in order:
-    data_in = sources[name]
-    if role[name] == UPDATE and data_in and name not in var_nodes and \
-        not constants.is_write_op(op_of[name]) and op_of[name] != "IdentityN" and \
-        op_of[name] not in constants.VARIABLE_READ_OPS and all(
-            role.get(s) in (FORWARD, BACKWARD) or s in constant or s in custom
-            for s in data_in):
-      custom.add(name)
-  for name in reversed(order):
-    if name in custom and any(role.get(c) == BACKWARD and not nodes[c].input[i].startswith("^")
-                              for c, i in graph.consumers(name)):
-      role[name] = BACKWARD
-    else:
-      custom.discard(name)
-
+  roles = find_roles(ix)
+  ix.role, ix.stripped, ix.custom = roles.role, roles.stripped, roles.custom
   # 2. Layer scopes from forward reads of trainable variables.
-  def is_trainable_handle(src):
-    v = var_nodes.get(src)
-    return v is not None and v.trainable is not False
-  # Per parent scope, not per node: a scope's ops share the answer (a list
-  # that nothing below edits).
-  layer_scopes = {}
+  ix.scope_of = _scopes(ix)
+  depth, blocks_scope, blocks = _layer_depth(ix, depth)
+  layer_key = _LayerKeys(ix.scope_of, depth, blocks_scope)
+  # 3. Forward layers, ordered by first forward op; variables' first readers.
+  ix.layers, ix.layer_of = _forward_layers(ix, layer_key)
+  ix.variable_layer, ix.readers = _forward_variable_layers(ix)
+  # 4. Backward ops.
+  _backward_layers(ix, layer_key)
+  # 5. Variables with no forward read (optimizer slots).
+  writes = [n for n in ix.order
+            if ix.role[n] == UPDATE and constants.is_write_op(ix.op_of[n])]
+  _slot_layers(ix, writes)
+  # 6. Update ops.
+  _update_layers(ix, writes)
+  # 7. Membership and statistics.
+  _add_ops(ix, shapes)
+  _add_variables(ix)
+  _add_activation_bytes(ix, shapes)
+  return LayerReport(_ordered_layers(ix.layers, blocks), ix.role, ix.layer_of,
+                     ix.variable_layer, depth, dict(ix.readers), _variable_free(ix))
 
-  def layer_scope(name):
-    head, slash, _ = name.rpartition("/")
-    parent = head + slash
-    scope = layer_scopes.get(parent)
+
+def _is_trainable(ix, handle):
+  """Whether `handle` is a variable's node and the variable trainable."""
+  v = ix.var_nodes.get(handle)
+  return v is not None and v.trainable is not False
+
+
+def _get_layer(layers, key):
+  """The Layer named `key`, made (with the next index) if new."""
+  if key not in layers:
+    layers[key] = Layer(key, len(layers))
+  return layers[key]
+
+
+def _written_variable(ix, write):
+  """The variable update op `write` writes (its handle input, through
+  Identity), or None."""
+  node = ix.nodes[write]
+  return handle_of(ix.graph, node.input[0], ix.var_nodes) if node.input else None
+
+
+# --- 2. layer scopes --------------------------------------------------------------
+def _scopes(ix):
+  """{node: the layer scope of its name without gradient scope}. Found per
+  parent scope, not per node: the nodes of one parent share one list (which
+  nothing edits)."""
+  by_parent, scope_of = {}, {}
+  for name in ix.order:
+    base = ix.stripped[name]
+    head, slash, _ = base.rpartition("/")
+    scope = by_parent.get(head + slash)
     if scope is None:
-      scope = layer_scopes[parent] = _layer_scope(graph, name)
-    return scope
-  scope_of = {name: layer_scope(stripped[name]) for name in order}
-  param_reads = []  # (reader's scope, variable handle)
-  for name in order:
-    if role[name] != FORWARD or op_of[name] not in constants.VARIABLE_READ_OPS:
+      scope = by_parent[head + slash] = _layer_scope(ix.graph, base)
+    scope_of[name] = scope
+  return scope_of
+
+
+def _trainable_reads(ix):
+  """[(reader's scope, variable handle)] of the forward reads of trainable
+  variables."""
+  reads = []
+  for name in ix.order:
+    if ix.role[name] != FORWARD or ix.op_of[name] not in constants.VARIABLE_READ_OPS:
       continue
-    node = nodes[name]
-    if node.input and is_trainable_handle(parse_input(node.input[0])[0]):
-      param_reads.append((scope_of[name], parse_input(node.input[0])[0]))
-  blocks_scope, blocks = None, ()
-  if depth is None:
-    blocks_scope, blocks = _repeated_blocks_scope(
-        [(scope_of[n], op_of[n]) for n in order if role[n] == FORWARD],
-        param_reads, var_nodes)
-    if blocks_scope is not None:
-      depth = len(blocks_scope) + 1
-    else:
-      reader_scopes = [s for s, _ in param_reads]
-      depth = len(_common_prefix(reader_scopes)) + 1 if reader_scopes else 1
-      if reader_scopes and all(len(s) < depth for s in reader_scopes):
-        depth = max(1, depth - 1)
+    node = ix.nodes[name]
+    if node.input and _is_trainable(ix, parse_input(node.input[0])[0]):
+      reads.append((ix.scope_of[name], parse_input(node.input[0])[0]))
+  return reads
 
-  # id(scope list) -> its layer key: the nodes of one parent scope share one
-  # list (layer_scope), alive in scope_of while this runs.
-  keys_of_scope = {}
 
-  def layer_key(name):
-    scope = scope_of[name]
-    key = keys_of_scope.get(id(scope))
+def _layer_depth(ix, depth):
+  """(depth, the repeated blocks' parent scope or None, the blocks' scope
+  names): `depth` if given, else one below the blocks' parent, else found
+  from the common scope of the trainable variables' forward readers."""
+  if depth is not None:
+    return depth, None, ()
+  param_reads = _trainable_reads(ix)
+  blocks_scope, blocks = _repeated_blocks_scope(
+      [(ix.scope_of[n], ix.op_of[n]) for n in ix.order if ix.role[n] == FORWARD],
+      param_reads, ix.var_nodes)
+  if blocks_scope is not None:
+    return len(blocks_scope) + 1, blocks_scope, blocks
+  reader_scopes = [s for s, _ in param_reads]
+  depth = len(_common_prefix(reader_scopes)) + 1 if reader_scopes else 1
+  if reader_scopes and all(len(s) < depth for s in reader_scopes):
+    depth = max(1, depth - 1)
+  return depth, None, blocks
+
+
+class _LayerKeys(object):
+  """Called with a node, the layer its scope falls in: with repeated
+  blocks, under the blocks' parent its child; elsewhere the child of the
+  deepest scope shared with that parent (a task model's head, a backbone's
+  embedding); without, the scope cut at `depth`. Ops directly in an
+  enclosing scope: that scope (TOP_LAYER for none)."""
+
+  def __init__(self, scope_of, depth, blocks_scope):
+    self._scope_of = scope_of
+    self._depth = depth
+    self._blocks_scope = blocks_scope
+    # id(scope list) -> its key: the lists stay alive in scope_of.
+    self._keys = {}
+
+  def __call__(self, name):
+    scope = self._scope_of[name]
+    key = self._keys.get(id(scope))
     if key is None:
-      key = keys_of_scope[id(scope)] = scope_layer_key(scope)
+      key = self._keys[id(scope)] = self._scope_key(scope)
     return key
 
-  def scope_layer_key(scope):
-    if blocks_scope is not None:
-      # Under the blocks' parent: its child; elsewhere: the child of the
-      # deepest scope shared with that parent (a task model's head, a
-      # backbone's embedding); ops directly in an enclosing scope: that scope.
-      shared = len(_common_prefix([scope, blocks_scope]))
-      if len(scope) > shared:
-        return "/".join(scope[:shared + 1])
-      return "/".join(scope) if scope else TOP_LAYER
-    if len(scope) >= depth:
-      return "/".join(scope[:depth])
+  def _scope_key(self, scope):
+    if self._blocks_scope is not None:
+      cut = len(_common_prefix([scope, self._blocks_scope])) + 1
+    else:
+      cut = self._depth
+    if len(scope) >= cut:
+      return "/".join(scope[:cut])
     return "/".join(scope) if scope else TOP_LAYER
 
-  # 3. Forward layers, ordered by first forward op.
+
+# --- 3.-6. layers of forward, backward and update ops -----------------------------
+def _forward_layers(ix, layer_key):
+  """(layers in order of their first forward op, {forward op: layer})."""
   layers = collections.OrderedDict()
   layer_of = {}
-  for name in order:
-    if role[name] == FORWARD and name not in var_nodes:
-      key = layer_key(name)
-      if key == TOP_LAYER:
-        # An unscoped op computed from a layer's output (a mixed-precision
-        # model's cast of its logits to float32, a loss written without a
-        # scope) runs after that layer, not with the graph's inputs: it
-        # joins the latest layer it reads from.
-        inside = [layers[layer_of[s]] for s, _ in graph.data_inputs(name)
-                  if layer_of.get(s, TOP_LAYER) != TOP_LAYER]
-        if inside:
-          key = max(inside, key=lambda l: l.index).name
-      layers.setdefault(key, Layer(key, len(layers)))
-      layer_of[name] = key
+  for name in ix.order:
+    if ix.role[name] != FORWARD or name in ix.var_nodes:
+      continue
+    key = layer_key(name)
+    if key == TOP_LAYER:
+      # An unscoped op computed from a layer's output (a mixed-precision
+      # model's cast of its logits to float32, a loss written without a
+      # scope) runs after that layer, not with the graph's inputs: it joins
+      # the latest layer it reads from.
+      inside = [layers[layer_of[s]] for s, _ in ix.graph.data_inputs(name)
+                if layer_of.get(s, TOP_LAYER) != TOP_LAYER]
+      if inside:
+        key = max(inside, key=lambda l: l.index).name
+    _get_layer(layers, key)
+    layer_of[name] = key
+  return layers, layer_of
 
-  def get_layer(key):
-    if key not in layers:
-      layers[key] = Layer(key, len(layers))
-    return layers[key]
 
-  # Variables: the layer of their first forward read (a tied weight has more
-  # readers; they receive its value).
+def _forward_variable_layers(ix):
+  """({variable: the layer of its first forward read}, {variable: every
+  layer reading it forward, in order}): a tied weight has more readers,
+  which receive its value."""
   variable_layer = {}
   readers = collections.defaultdict(list)
-  for name in order:
-    if role[name] != FORWARD or op_of[name] not in constants.VARIABLE_READ_OPS:
+  for name in ix.order:
+    if ix.role[name] != FORWARD or ix.op_of[name] not in constants.VARIABLE_READ_OPS:
       continue
-    node = nodes[name]
+    node = ix.nodes[name]
     if node.input:
       src = parse_input(node.input[0])[0]
-      if src in var_nodes:
-        variable_layer.setdefault(src, layer_of[name])
-        if layer_of[name] not in readers[src]:
-          readers[src].append(layer_of[name])
+      if src in ix.var_nodes:
+        layer = ix.layer_of[name]
+        variable_layer.setdefault(src, layer)
+        if layer not in readers[src]:
+          readers[src].append(layer)
+  return variable_layer, readers
 
-  # 4. Backward ops: the layer of the forward scope they differentiate.
-  for name in order:
+
+def _backward_layers(ix, layer_key):
+  """Sets in ix.layer_of the layer of each backward op: that of the forward
+  scope it differentiates; an unscoped one's (a top-level AddN), the layer
+  of its backward inputs; a custom gradient's op, that of its inputs."""
+  role, layer_of = ix.role, ix.layer_of
+  for name in ix.order:
     if role[name] != BACKWARD:
       continue
     key = layer_key(name)
-    if key not in layers:
-      # Unscoped gradient op (e.g. a top-level AddN): layer of its inputs.
-      keys = [layer_of.get(s) for s, _ in graph.data_inputs(name)
+    if key not in ix.layers:
+      keys = [layer_of.get(s) for s, _ in ix.graph.data_inputs(name)
               if role.get(s) == BACKWARD and s in layer_of]
       key = keys[0] if keys else TOP_LAYER
-    elif name in custom:
-      # A custom gradient's op: the layer it differentiates, of its inputs.
-      keys = [layer_of[s] for s in sources[name] if s in layer_of and
+    elif name in ix.custom:
+      keys = [layer_of[s] for s in ix.sources[name] if s in layer_of and
               role.get(s) in (BACKWARD, FORWARD) and layer_of[s] != TOP_LAYER]
       key = keys[0] if keys else key
-    get_layer(key)
+    _get_layer(ix.layers, key)
     layer_of[name] = key
 
-  # 5. Variables with no forward read (optimizer slots): the layer of the one
-  # weight whose update reads them, else of the gradient that reaches their
-  # update.
-  def nearest_backward_layer(start):
-    # Walks tensors, not nodes: an IdentityN (Keras passes all gradients
-    # through one) forwards output k from input k only.
-    # The gradient sits a few ops above a slot update; the bound keeps this
-    # linear on graphs where a write has no gradient above it (counters).
-    seen = set()
-    queue = collections.deque(
-        parse_input(t) for t in graph.node(start).input if not t.startswith("^"))
-    while queue and len(seen) < _MAX_GRADIENT_SEARCH:
-      src, port = queue.popleft()
-      if (src, port) in seen:
-        continue
-      seen.add((src, port))
-      node = graph.node(src)
-      if role.get(src) == BACKWARD and node.op != "IdentityN":
-        return layer_of.get(src)
-      if node.op == "IdentityN":
-        data = [t for t in node.input if not t.startswith("^")]
-        if port < len(data):
-          queue.append(parse_input(data[port]))
-      elif role.get(src) == UPDATE:
-        queue.extend(parse_input(t) for t in node.input if not t.startswith("^"))
-    return None
 
-  # A variable's handle passed on by an Identity (a lowered conditional's
-  # branch argument) is the variable: its reads and writes are the variable's.
-  handle_of = {}
-  for name in order:
-    data = sources[name]
-    if op_of[name] == "Identity" and len(data) == 1:
-      src = data[0]
-      if src in var_nodes or src in handle_of:
-        handle_of[name] = handle_of.get(src, src)
-
-  def written_handle(write):
-    node = graph.node(write)
-    handle = parse_input(node.input[0])[0] if node.input else None
-    return handle_of.get(handle, handle)
-
-  def slots_read_by(write):
-    # Variables an update reads (Adam's moments in the weight's step) or takes
-    # as inputs (a fused ResourceApplyAdam), up through update ops only.
-    found, seen = set(), set()
-    queue = collections.deque([write])
-    while queue and len(seen) < _MAX_GRADIENT_SEARCH:
-      name = queue.popleft()
-      if name in seen:
-        continue
-      seen.add(name)
-      for src, _ in graph.data_inputs(name):
-        src = handle_of.get(src, src)
-        if src in var_nodes:
-          found.add(src)
-        elif role.get(src) == UPDATE:
-          queue.append(src)
-    return found
-
-  writes = [n for n in order if role[n] == UPDATE and constants.is_write_op(op_of[n])]
-  # A slot belongs to the one weight whose update reads it (so a tied
-  # embedding's moments follow the embedding, not the head whose gradient op
-  # sums the two contributions); state read by many updates (the step
-  # counter) is the optimizer's.
+def _slot_layers(ix, writes):
+  """Sets in ix.variable_layer the layer of the variables with no forward
+  read (optimizer slots): that of the one weight whose update (of `writes`)
+  uses them, so a tied embedding's moments follow the embedding, not the
+  head whose gradient op sums the two contributions; state many updates
+  use (the step counter) is the optimizer's. Else the layer of the gradient
+  that reaches the slot's update."""
+  variable_layer = ix.variable_layer
   slot_owners = collections.defaultdict(set)
   for name in writes:
-    handle = written_handle(name)
-    if handle in variable_layer and is_trainable_handle(handle):
-      for slot in slots_read_by(name) - {handle}:
+    handle = _written_variable(ix, name)
+    if handle in variable_layer and _is_trainable(ix, handle):
+      used = variables_used_by(ix.graph, name, ix.var_nodes, ix.role,
+                               _MAX_GRADIENT_SEARCH)
+      for slot in used - {handle}:
         if slot not in variable_layer:
           slot_owners[slot].add(handle)
   for slot, owners in slot_owners.items():
     if len(owners) == 1:
       variable_layer[slot] = variable_layer[next(iter(owners))]
   for name in writes:
-    handle = written_handle(name)
-    if handle in var_nodes and handle not in variable_layer:
-      key = nearest_backward_layer(name)
+    handle = _written_variable(ix, name)
+    if handle in ix.var_nodes and handle not in variable_layer:
+      key = _nearest_backward_layer(ix, name)
       if key is not None:
         variable_layer[handle] = key
 
-  # 6. Update ops: the layer of the variable written; others follow consumers.
+
+def _nearest_backward_layer(ix, write):
+  """The layer of the first backward op found up from update op `write`
+  through update ops, or None. It walks tensors, not nodes: an IdentityN
+  (Keras passes all gradients through one) forwards output k from input k
+  only. The gradient sits a few ops above a slot update; the bound keeps
+  this linear on graphs where a write has no gradient above it (counters)."""
+  walk = BoundedWalk([parse_input(t) for t in ix.nodes[write].input
+                      if not t.startswith("^")], _MAX_GRADIENT_SEARCH)
+  for src, port in walk:
+    node = ix.graph.node(src)
+    if ix.role.get(src) == BACKWARD and node.op != "IdentityN":
+      return ix.layer_of.get(src)
+    if node.op == "IdentityN":
+      data = [t for t in node.input if not t.startswith("^")]
+      if port < len(data):
+        walk.follow([parse_input(data[port])])
+    elif ix.role.get(src) == UPDATE:
+      walk.follow(parse_input(t) for t in node.input if not t.startswith("^"))
+  return None
+
+
+def _update_layers(ix, writes):
+  """Sets in ix.layer_of the layer of each update op: a write's is that of
+  the variable it writes; another's that of all its update consumers when
+  they agree, else the optimizer's. Then every node left is TOP_LAYER's."""
+  role, layer_of = ix.role, ix.layer_of
   for name in writes:
-    layer_of[name] = variable_layer.get(written_handle(name), OPTIMIZER_LAYER)
-  for name in reversed(order):
+    layer_of[name] = ix.variable_layer.get(_written_variable(ix, name), OPTIMIZER_LAYER)
+  for name in reversed(ix.order):
     if role[name] != UPDATE or name in layer_of:
       continue
-    keys = {layer_of.get(c) for c, _ in graph.consumers(name) if role.get(c) == UPDATE}
+    keys = {layer_of.get(c) for c, _ in ix.graph.consumers(name) if role.get(c) == UPDATE}
     keys.discard(None)
-    if name in var_nodes:
-      keys = {variable_layer.get(name, OPTIMIZER_LAYER)}
+    if name in ix.var_nodes:
+      keys = {ix.variable_layer.get(name, OPTIMIZER_LAYER)}
     layer_of[name] = keys.pop() if len(keys) == 1 else OPTIMIZER_LAYER
-  for name in order:
+  for name in ix.order:
     layer_of.setdefault(name, TOP_LAYER)
-    get_layer(layer_of[name])
+    _get_layer(ix.layers, layer_of[name])
 
-  # 7. Membership and statistics.
-  for name in order:
-    if name in var_nodes:
+
+# --- 7. membership and statistics -------------------------------------------------
+def _add_ops(ix, shapes):
+  """Lists each op (not the variables) under its layer's role, and adds its
+  FLOPs to the layer's forward or backward count."""
+  for name in ix.order:
+    if name in ix.var_nodes:
       continue
-    layer = layers[layer_of[name]]
-    getattr(layer, role[name]).append(name)
-    f = 0 if op_of[name] in flops_lib.ZERO_FLOP_OPS else flops_lib.op_flops(nodes[name], shapes)
-    if role[name] == FORWARD:
+    role = ix.role[name]
+    layer = ix.layers[ix.layer_of[name]]
+    getattr(layer, role).append(name)
+    f = 0 if ix.op_of[name] in flops_lib.ZERO_FLOP_OPS else \
+        flops_lib.op_flops(ix.nodes[name], shapes)
+    if role == FORWARD:
       layer.forward_flops += f
-    elif role[name] == BACKWARD:
+    elif role == BACKWARD:
       layer.backward_flops += f
-  for handle, var in var_nodes.items():
-    key = variable_layer.get(handle, OPTIMIZER_LAYER)
-    layer_of[handle] = key
-    layer = get_layer(key)
-    is_param = handle in variable_layer and var.trainable is not False and \
-        role[handle] == FORWARD
+
+
+def _add_variables(ix):
+  """Lists each variable under its layer (ix.layer_of set to it): a
+  trainable one read forward as a parameter (and as shared by its other
+  readers), any other as optimizer state."""
+  for handle, var in ix.var_nodes.items():
+    key = ix.variable_layer.get(handle, OPTIMIZER_LAYER)
+    ix.layer_of[handle] = key
+    layer = _get_layer(ix.layers, key)
+    is_param = handle in ix.variable_layer and var.trainable is not False and \
+        ix.role[handle] == FORWARD
     if is_param:
-      for other in readers[handle][1:]:
-        layers[other].shared_variables.append(handle)
+      for other in ix.readers[handle][1:]:
+        ix.layers[other].shared_variables.append(handle)
       layer.variables.append(handle)
       layer.param_count += var.num_elements or 0
       layer.param_bytes += var.num_bytes or 0
     else:
       layer.slots.append(handle)
       layer.slot_bytes += var.num_bytes or 0
+
+
+def _add_activation_bytes(ix, shapes):
+  """Adds to each layer the bytes of its forward outputs that backward ops
+  read (what is kept between the passes), each tensor once."""
   kept = set()
-  for name in order:
-    if role[name] != BACKWARD:
+  for name in ix.order:
+    if ix.role[name] != BACKWARD:
       continue
-    for src, port in graph.data_inputs(name):
-      if role.get(src) == FORWARD and src not in var_nodes and \
-          op_of[src] not in _NOT_ACTIVATIONS:
+    for src, port in ix.graph.data_inputs(name):
+      if ix.role.get(src) == FORWARD and src not in ix.var_nodes and \
+          ix.op_of[src] not in _NOT_ACTIVATIONS:
         kept.add((src, port))
   for src, port in sorted(kept):
     info = shapes.get(f"{src}:{port}")
     if info is not None and info.num_bytes:
-      layers[layer_of[src]].activation_bytes += info.num_bytes
+      ix.layers[ix.layer_of[src]].activation_bytes += info.num_bytes
 
+
+def _ordered_layers(layers, blocks):
+  """The layers in order of creation, the top and optimizer layers with no
+  forward op last, renumbered; the blocks marked."""
   ordered = sorted(layers.values(), key=lambda l: (
       l.name in (TOP_LAYER, OPTIMIZER_LAYER) and not l.forward, l.index))
   for i, layer in enumerate(ordered):
     layer.index = i
     layer.block = layer.name in blocks
+  return ordered
+
+
+def _variable_free(ix):
+  """The nodes whose values depend on no variable."""
   depends = set()
-  for name in order:
-    if name in var_nodes or any(src in depends for src in sources[name]):
+  for name in ix.order:
+    if name in ix.var_nodes or any(src in depends for src in ix.sources[name]):
       depends.add(name)
-  variable_free = frozenset(order) - depends
-  return LayerReport(ordered, role, layer_of, variable_layer, depth, dict(readers),
-                     variable_free)
+  return frozenset(ix.order) - depends

@@ -30,6 +30,7 @@ import numpy as np
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.graph import handles as handles_lib
 from tfsplit.sharding import zero as zero_lib
 
 MODES = ("optimizer",)
@@ -78,7 +79,7 @@ def plan_offload(analysis, mesh, host=None):
   for node in graph.nodes:
     if node.name in var_nodes or not node.input or node.input[0].startswith("^"):
       continue
-    handle = zero_lib.handle_of(graph, node.input[0], var_nodes)
+    handle = handles_lib.handle_of(graph, node.input[0], var_nodes)
     if handle is None:
       continue
     if handle in slots:
@@ -88,7 +89,7 @@ def plan_offload(analysis, mesh, host=None):
       elif constants.is_write_op(node.op):
         writes.add(node.name)
     elif node.op in constants.VARIABLE_READ_OPS or constants.is_write_op(node.op) or \
-        node.op in zero_lib.HANDLE_PASSTHROUGH:
+        node.op in handles_lib.IDENTITY:
       other.add(node.name)  # another variable's op: never offloaded
 
   def movable(name):

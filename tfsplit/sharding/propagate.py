@@ -19,6 +19,7 @@ from tfsplit import rules as rules_lib
 from tfsplit.errors import PlanError, UnsupportedOpError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.fold import const_value
+from tfsplit.graph.handles import IDENTITY_AND_N, handle_of
 from tfsplit.graph.ir import parse_input
 from tfsplit.rules.base import Decision, OpContext, fallback
 from tfsplit.layout.spec import Sharding, constraint_of
@@ -29,7 +30,7 @@ _MAX_ROUNDS = 6
 # Set to 1 (the tests do) to let an exception inside a split rule propagate.
 STRICT_RULES_ENV = "TFSPLIT_STRICT_RULES"
 # Ops that pass a resource handle through unchanged.
-_HANDLE_PASSTHROUGH = frozenset(["Identity", "IdentityN"])
+_HANDLE_PASSTHROUGH = IDENTITY_AND_N
 # Ops through which a variable's read is still that weight's value.
 _WEIGHT_VIEWS = frozenset(["Identity", "Cast", "Reshape", "Snapshot"])
 # Kinds of _StaticInputs rows the forward sweep treats apart.
@@ -348,15 +349,10 @@ def _fused_slots(graph, variables):
   """[(variable handle, slot handle)] of the fused optimizer ops
   (ResourceApplyAdam, ...), which update slots with their variable's sharding."""
   handles = {v.node for v in variables}
-
-  def handle(text):
-    name = parse_input(text)[0]
-    while name not in handles and graph.node(name).op in _HANDLE_PASSTHROUGH:
-      name = parse_input(graph.node(name).input[0])[0]
-    return name if name in handles else None
   pairs = []
   for node in graph.nodes:
     if node.op.startswith("ResourceApply"):
-      inputs = [handle(t) for t in node.input if not t.startswith("^")]
+      inputs = [handle_of(graph, t, handles, _HANDLE_PASSTHROUGH)
+                for t in node.input if not t.startswith("^")]
       pairs += [(inputs[0], slot) for slot in inputs[1:] if inputs[0] and slot]
   return pairs

@@ -37,14 +37,16 @@ from typing import Dict, Tuple
 import numpy as np
 
 from tfsplit import constants
+from tfsplit.graph.handles import (BoundedWalk, handle_of, handle_users,
+                                   variables_read_by)
 from tfsplit.graph.ir import parse_input
 from tfsplit.layout.spec import Constraint, insert_constraints
 
 # Ops a split slot may meet (each has a rule for a split variable).
 _SLOT_OPS = frozenset(["ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
                        "AssignSubVariableOp"])
-HANDLE_PASSTHROUGH = frozenset(["Identity"])
-# Bound on the walk from a slot's update up to its gradient.
+# Bound on the walks up from an update: to a slot's gradient, to the variables
+# an update reads.
 _MAX_SEARCH = 512
 SLOT_OF_KEY = "optimizer_slot_of"   # manifest: slot variable -> its weight
 KEPT_KEY = "zero_kept"              # manifest: why a slot is whole over the data axis
@@ -75,7 +77,7 @@ def optimizer_slots(analysis):
     weight = handle_of(graph, node.input[0], var_nodes)
     if weight not in params:
       continue
-    for slot in _variables_read_by(graph, name, roles, var_nodes) - {weight}:
+    for slot in variables_read_by(graph, name, var_nodes, roles, _MAX_SEARCH) - {weight}:
       if slot not in params and roles.get(slot) != constants.FORWARD:
         owners[slot].add(weight)
   return {slot: next(iter(w)) for slot, w in owners.items() if len(w) == 1}
@@ -89,7 +91,7 @@ def plan_zero(analysis, propagation, mesh, stage, axis=constants.DATA_AXIS):
   variable_specs = propagation.variable_specs
   n = mesh.axes[axis]
   slot_of = optimizer_slots(analysis)
-  users = _handle_users(graph, set(var_nodes))
+  users = handle_users(graph, set(var_nodes))
   dims, kept = {}, {}
   for slot in sorted(slot_of):
     var = var_nodes[slot]
@@ -188,53 +190,6 @@ def _mib(n):
   return f"{n / 2**20:.2f} MiB"
 
 
-def handle_of(graph, text, var_nodes):
-  """The variable handle node behind input `text`, or None."""
-  name = parse_input(text)[0]
-  while name not in var_nodes:
-    node = graph.get(name)
-    if node is None or node.op not in HANDLE_PASSTHROUGH or not node.input:
-      return None
-    name = parse_input(node.input[0])[0]
-  return name
-
-
-def _handle_users(graph, var_nodes):
-  """{handle: [ops taking it as input 0, through Identity]}."""
-  users = collections.defaultdict(list)
-  for node in graph.nodes:
-    if node.op in HANDLE_PASSTHROUGH or not node.input or node.name in var_nodes:
-      continue
-    for text in node.input:
-      if text.startswith("^"):
-        continue
-      handle = handle_of(graph, text, var_nodes)
-      if handle is not None:
-        users[handle].append(node)
-  return users
-
-
-def _variables_read_by(graph, write, roles, var_nodes):
-  """Variables whose reads feed update op `write`, up through update ops."""
-  found, seen = set(), set()
-  queue = collections.deque([write])
-  while queue and len(seen) < _MAX_SEARCH:
-    name = queue.popleft()
-    if name in seen:
-      continue
-    seen.add(name)
-    node = graph.node(name)
-    if node.op in constants.VARIABLE_READ_OPS and node.input:
-      handle = handle_of(graph, node.input[0], var_nodes)
-      if handle is not None:
-        found.add(handle)
-      continue
-    for src, _ in graph.data_inputs(name):
-      if roles.get(src) == constants.UPDATE and src not in var_nodes:
-        queue.append(src)
-  return found
-
-
 def _gradient_constraints(analysis, propagation, mesh, axis, dims, var_nodes, users):
   """{gradient tensor: dims}: for each split slot, the partial sums over
   `axis` its update reads (the weight's gradient as backward or the
@@ -256,12 +211,8 @@ def _gradient_constraints(analysis, propagation, mesh, axis, dims, var_nodes, us
     for write in users[slot]:
       if write.op not in constants.ASSIGN_OPS or len(write.input) < 2:
         continue
-      seen, queue = set(), collections.deque([parse_input(write.input[1])])
-      while queue and len(seen) < _MAX_SEARCH:
-        src, port = queue.popleft()
-        if (src, port) in seen:
-          continue
-        seen.add((src, port))
+      walk = BoundedWalk([parse_input(write.input[1])], _MAX_SEARCH)
+      for src, port in walk:
         node = graph.node(src)
         if partial_over_axis(src, port):
           info = shapes.tensor(src, port)
@@ -271,5 +222,5 @@ def _gradient_constraints(analysis, propagation, mesh, axis, dims, var_nodes, us
         if src in var_nodes or node.op in constants.VARIABLE_READ_OPS or \
             node.op == "Const" or analysis.roles.get(src) == constants.FORWARD:
           continue
-        queue.extend(graph.data_inputs(src))
+        walk.follow(graph.data_inputs(src))
   return {t: next(iter(d)) for t, d in found.items() if len(d) == 1}
