@@ -86,7 +86,8 @@ class SplitFunction(object):
     variables' current values."""
     held = {name: entry for name, entry in manifest.items() if entry["shards"]}
     return shards_lib.shard_values(held, {
-        name: self.original_variables[name].numpy() for name in held})
+        name: self.original_variables[name].numpy() for name in held
+        if name in self.original_variables})   # a missing one: one line there
 
   config = property(lambda self: self.result.config, doc="The SplitConfig of the split.")
   mesh = property(lambda self: self.result.config.mesh, doc="The mesh, on its devices.")
