@@ -314,6 +314,56 @@ def test_verify_against_another_graph(mlp_tp2, tmp_path, capsys):
              "variables", "adam/mlp_layer_0", command="verify")
 
 
+def test_verify_with_the_files_swapped(mlp_tp2, tmp_path, capsys):
+  """The split graph given as the original: refused before anything runs
+  (it used to wait for collectives until the timeout)."""
+  capsys.readouterr()
+  _cli_error(tmp_path, capsys, [mlp_tp2, MLP], f"ORIGINAL '{mlp_tp2}' is a graph written "
+             "by tfsplit rewrite", "the arguments look swapped", command="verify")
+
+
+def test_verify_with_another_splits_manifest(mlp_tp2, tmp_path, capsys):
+  other = tmp_path / "dp2" / "mlp_dp2.pb"
+  other.parent.mkdir()
+  assert run(["tfsplit", "rewrite", MLP, "-o", str(other), "--mesh", "dp=2"]) == 0
+  capsys.readouterr()
+  _cli_error(tmp_path, capsys, [MLP, mlp_tp2, "--manifest", other.with_suffix(
+      ".manifest.json")], f"the manifest does not describe REWRITTEN '{mlp_tp2}'", "shard '",
+             "--manifest", command="verify")
+  # A split graph whose manifest is nowhere: the same kind of line.
+  lonely = tmp_path / "lonely.pb"
+  lonely.write_bytes(mlp_tp2.read_bytes())
+  _cli_error(tmp_path, capsys, [MLP, lonely], "is a split graph but no shard manifest",
+             command="verify")
+
+
+def test_verify_of_a_collective_that_never_completes_is_bounded(tmp_path):
+  """A member of one all-reduce moved to another instance key: the other
+  member waits, the rewrite's collective timeout fires, and verify says so
+  in one line (exit 2, not 1: no numbers were compared)."""
+  from tensorflow.python.framework import tensor_util  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "mlp_tp2.pb"
+  assert run(["tfsplit", "rewrite", MLP, "-o", str(out), "--mesh", "tp=2",
+              "--collective-timeout", "2"]) == 0
+  graph_def = load_graph(str(out))
+  nodes = {n.name: n for n in graph_def.node}
+  member = next(n for n in graph_def.node
+                if n.op == "CollectiveReduceV2" and n.device.endswith("CPU:1"))
+  key = nodes[member.input[3]]
+  key.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(987654321, tf.int32))
+  save_graph(graph_def, str(out))
+  # In a process of its own: an aborted collective leaves TF's collective
+  # executor of the process unusable for later tests.
+  env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             TF_CPP_MIN_LOG_LEVEL="3")
+  done = subprocess.run([sys.executable, "-m", "tfsplit.cli", "verify", MLP, str(out)],
+                        capture_output=True, text=True, timeout=120, env=env, check=False)
+  lines = [l for l in done.stderr.splitlines() if l.startswith("tfsplit verify: ")]
+  assert done.returncode == 2 and done.stdout == "", (done.returncode, done.stderr[-2000:])
+  assert len(lines) == 1 and "a collective waited past its timeout" in lines[0], done.stderr
+  assert "Traceback" not in done.stderr
+
+
 def test_mesh_larger_than_the_devices(tmp_path, capsys):
   """Rewriting for 8 devices works anywhere; verifying it in a process that
   already runs TF on 4 is a one-line error."""
@@ -359,3 +409,39 @@ def test_batch_not_divisible_cli(args, needle, tmp_path, capsys):
 ])
 def test_bad_pipeline_flags_cli(args, needle, tmp_path, capsys):
   _cli_error(tmp_path, capsys, [MLP, "--microbatches", 2] + args, needle)
+
+
+# --- tfsplit.split given the wrong thing --------------------------------------------------
+def test_split_of_a_keras_model_points_to_tfsplit_keras():
+  import keras  # pylint: disable=import-outside-toplevel
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+  with pytest.raises(PlanError, match=r"Keras model: train it split with "
+                     r"tfsplit.keras.split\(model, mesh=...\)"):
+    tfsplit.split(model, mesh="dp=2")
+
+
+def test_split_of_a_function_without_a_signature_says_what_to_give():
+  import tfsplit  # pylint: disable=import-outside-toplevel
+  w = tf.Variable(tf.ones([4, 2]))
+
+  @tf.function
+  def step(x):
+    return tf.matmul(x, w)
+
+  with pytest.raises(PlanError, match=r"pass input_signature=\[tf.TensorSpec"):
+    tfsplit.split(step, mesh="dp=2")
+  with pytest.raises(PlanError, match="not function; decorate the training step"):
+    tfsplit.split(lambda x: x, mesh="dp=2")
+
+
+def test_graph_without_variables_is_refused(tmp_path, capsys):
+  """Nothing to split or train: one line, no output (it used to 'split' at dp=2)."""
+  graph = tf.Graph()
+  with graph.as_default():
+    x = tf.compat.v1.placeholder(tf.float32, [4, 3], name="x")
+    tf.identity(x * 2.0, name="y")
+  path = tmp_path / "stateless.pb"
+  save_graph(graph.as_graph_def(), str(path))
+  capsys.readouterr()
+  _cli_error(tmp_path, capsys, [path, "--mesh", "dp=2"], "the graph has no variables")

@@ -6,6 +6,8 @@ The cluster runners run against worker servers this test starts on free
 127.0.0.1 ports (runtime/workers.py), stopped on leaving, also on failure.
 """
 import json
+import os
+import re
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from tfsplit.runtime import runners
 from tfsplit.runtime import workers
 
 TIMEOUT = 60
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _Mlp(object):
@@ -101,6 +104,26 @@ def test_task_runner_holds_only_its_task_and_refuses_full_values():
     runner.full_values()
 
 
+def test_task_runner_says_which_share_of_the_batch_its_step_takes():
+  """A worker feeding the batch it traced instead of its share: one line
+  naming the share and the global batch (checked before anything runs)."""
+  from tfsplit.graph import load_graph  # pylint: disable=import-outside-toplevel
+  from tfsplit.passes import split_graph  # pylint: disable=import-outside-toplevel
+  cluster = cluster_lib.resolve({"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]},
+                                 "task": {"type": "worker", "index": 1}})
+  runner = runners.TaskRunner(cluster)
+  graph_def = load_graph(os.path.join(ROOT, "examples", "mlp_raw_train_tiny.pb"))
+  runner.result = split_graph(graph_def, SplitConfig(runner.place("dp=2"), task=1))
+  name, share = next(iter(runner.task_inputs.items()))
+  args = [np.zeros(s["global_shape"]) for s in runner.task_inputs.values()]
+  with pytest.raises(PlanError, match=re.escape(
+      f"input '{name}' of shape {share['global_shape']}: task 1's step takes "
+      f"{share['shape']}") + ".*step.local_batch"):
+    runner._feed(args)  # pylint: disable=protected-access
+  assert [list(a.shape) for a in runner._feed(runner.local_batch(args))] == [  # pylint: disable=protected-access
+      s["shape"] for s in runner.task_inputs.values()]
+
+
 def test_local_runner_trains_saves_and_restores_exactly(tmp_path):
   model = _Mlp()
   want_losses, want = model.reference(3)
@@ -142,6 +165,8 @@ def test_client_runner_matches_the_local_runner_on_two_workers(tmp_path):
     assert type(step.runner) is runners.ClientRunner and step.variables is None
     assert {d.split("/device")[0] for d in step.mesh.devices} == {
         "/job:worker/replica:0/task:0", "/job:worker/replica:0/task:1"}
+    with pytest.raises(PlanError, match=r"of shape \[4, 16\]: the split step takes \[8, 16\]"):
+      step(model.x[:4], model.y[:4])
     losses = [float(step(model.x, model.y)) for _ in range(2)]
     np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     full = step.full_values()

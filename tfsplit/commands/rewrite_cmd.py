@@ -79,6 +79,10 @@ def define_flags(fv):
                        "blocks run on 1/tp of the sequence (reduce-scatter and all-gather in "
                        "place of each forward all-reduce, the same bytes; their "
                        "activations divided by tp).", flag_values=fv)
+  flags.DEFINE_integer("batch", None, "The global batch of a graph traced with an unknown "
+                       "batch dimension (inputs of shape [None, ...]): its inputs are bound "
+                       "to it before the split, which needs static sizes.", lower_bound=1,
+                       flag_values=fv)
   flags.DEFINE_float("collective-timeout", 600.0, "Seconds before a collective gives up "
                      "(a dead peer is then an error, not a hang).", flag_values=fv)
   flags.DEFINE_string("cluster", None, "Place the mesh on a cluster's worker tasks: "

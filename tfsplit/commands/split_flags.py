@@ -38,6 +38,7 @@ SPELLED = {
     "layers": ("layer_ranges", parse_layer_ranges),
     "bucket-mb": ("bucket_bytes", lambda v: int(round(v * 2**20))),
     "collective-timeout": ("timeout_seconds", float),
+    "batch": ("batch_size", lambda v: v),
 }
 MESH_FLAGS = ("mesh", "stages")
 

@@ -6,6 +6,7 @@ to their non-variable placeholders and their data-producing sinks.
 """
 from tfsplit import constants
 from tfsplit.graph import variables as variables_lib
+from tfsplit.graph.ir import Graph
 
 
 def _marked(graph, attr):
@@ -25,3 +26,31 @@ def graph_outputs(graph):
   return _marked(graph, variables_lib.OUTPUT_INDEX_ATTR) or [
       n.name for n in graph.nodes
       if not graph.consumers(n.name) and n.op != "NoOp" and not constants.is_write_op(n.op)]
+
+
+def unbound_batch_inputs(graph):
+  """Inputs whose leading (batch) dimension is unknown: [(name, shape)],
+  the shape a list with None where unknown (a rank-0 or unknown-rank input
+  has no batch dimension to bind)."""
+  out = []
+  for name in graph_inputs(graph):
+    shape = graph.node(name).attr["shape"].shape
+    if shape.unknown_rank or not shape.dim:
+      continue
+    dims = [d.size if d.size >= 0 else None for d in shape.dim]
+    if dims[0] is None:
+      out.append((name, dims))
+  return out
+
+
+def bind_batch(graph_def, batch_size):
+  """A copy of `graph_def` whose inputs with an unknown batch dimension
+  take `batch_size` examples: the shapes the graph runs with, so every
+  later pass sees static sizes."""
+  unbound = {name for name, _ in unbound_batch_inputs(Graph(graph_def))}
+  out = type(graph_def)()
+  out.CopyFrom(graph_def)
+  for node in out.node:
+    if node.name in unbound:
+      node.attr["shape"].shape.dim[0].size = int(batch_size)
+  return out

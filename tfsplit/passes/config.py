@@ -84,6 +84,9 @@ class SplitConfig:
     each forward all-reduce becomes a reduce-scatter there and an
     all-gather before the column-parallel contractions
     (strategies/sequence_parallel.py).
+  batch_size: the global batch of a step traced with an unknown batch
+    dimension (TensorSpec([None, ...])): its inputs are bound to it before
+    the split, which needs static sizes; None: the traced batch.
   task: None (the graph of the whole mesh), or the index of the cluster task
     whose part alone is written (sharding/tasks.py): its nodes, the edges to
     other tasks made broadcasts, its inputs its share of the batch.
@@ -106,6 +109,7 @@ class SplitConfig:
   task: Optional[int] = None
   gradient_reduce_dtype: Optional[str] = None
   sequence_parallel: bool = False
+  batch_size: Optional[int] = None
 
   def __post_init__(self):
     # One spelling per option: "none" (the CLI's word) is None, mappings and
@@ -176,6 +180,9 @@ class SplitConfig:
                       f"the data axis, but mesh {self.mesh} has no '{constants.DATA_AXIS}' "
                       "axis of 2 or more; add one (--mesh dp=2,...) or leave it unset")
 
+    n = self.batch_size
+    if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
+      raise PlanError(f"batch_size must be a positive integer (the global batch), got {n!r}")
     if not isinstance(self.sequence_parallel, bool):
       raise PlanError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
     if self.sequence_parallel:

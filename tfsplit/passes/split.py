@@ -6,6 +6,8 @@ Passes, in order (PASSES), over one Analysis (graph, variables, shapes,
 layers) and one SplitConfig; each reads what earlier passes recorded in the
 SplitState, never another module's private fields:
 
+bind_batch              inputs traced with an unknown batch take batch_size
+                        examples (or one line says how to bind it)
 fold_shapes             shape arithmetic -> constants (global values); IdentityN
                         split per output; gradients TF flattens over the batch
                         (TopKV2's) written row by row (graph/gradients.py)
@@ -68,7 +70,8 @@ from tfsplit.passes.tasks import extract_task, task_devices
 from tfsplit.pipeline import microbatches as microbatch_lib
 from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
-from tfsplit.graph.endpoints import graph_inputs, graph_outputs
+from tfsplit.graph.endpoints import bind_batch as bind_batch_sizes
+from tfsplit.graph.endpoints import graph_inputs, graph_outputs, unbound_batch_inputs
 from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding import materialize as materialize_lib
@@ -109,6 +112,24 @@ class SplitState:
 
 
 # --- passes ----------------------------------------------------------------------
+def bind_batch(state):
+  """Inputs traced with an unknown batch dimension take config.batch_size
+  examples (graph/endpoints.py); without it, one line says how to bind it,
+  since every split rule needs static sizes."""
+  analysis = state.analysis
+  unbound = unbound_batch_inputs(analysis.graph)
+  if not unbound:
+    return
+  if state.config.batch_size is None:
+    name, shape = unbound[0]
+    more = f" (and {len(unbound) - 1} more)" if len(unbound) > 1 else ""
+    raise PlanError(
+        f"input '{name}'{more} has shape {shape}: its batch dimension is unknown and a "
+        "split needs static sizes; bind the global batch with batch_size=N (--batch N), "
+        "or trace the step with a fixed batch (tf.TensorSpec([BATCH, ...]))")
+  analysis.replace(bind_batch_sizes(analysis.graph_def, state.config.batch_size))
+
+
 def fold_shapes(state):
   """Static shape arithmetic folded; gradients TF flattens over the whole
   batch (TopKV2's) written row by row (graph/gradients.py); All / Any as
@@ -122,6 +143,11 @@ def fold_shapes(state):
     # A rewritten All / Any keeps its name, shape and dtype.
     analysis.replace(counted_def, known_shapes={n.name: shapes[n.name] for n in counted_def.node
                                                 if n.name in shapes})
+  if not analysis.variables:
+    raise PlanError("the graph has no variables (no VarHandleOp, no captured resource "
+                    "placeholder): there is nothing to split or train; give the training "
+                    "step's graph (tf.io.write_graph(fn.get_concrete_function(...).graph"
+                    ".as_graph_def(), ...)), not a frozen or variable-free one")
   for var in analysis.variables:
     if var.shape is None:
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
@@ -334,7 +360,7 @@ def check_acyclic(state):
                     f"({e}); try another schedule or partition") from None
 
 
-PASSES = (fold_shapes, recompute_activations, plan_variables, propagate_layouts,
+PASSES = (bind_batch, fold_shapes, recompute_activations, plan_variables, propagate_layouts,
           split_sequence, shard_optimizer_state, assign_stages, plan_offload, materialize_devices,
           check_microbatch_independence, order_work, bucket_gradients, offload_optimizer,
           lean_constants, extract_task, check_acyclic)

@@ -183,13 +183,40 @@ class ClientRunner(Runner):
     self.session = self._session(result.graph_def, values, original_graph_def,
                                  result.config)
 
+  def _feed(self, args):
+    """`args` as numpy, each of the shape this client's graph takes, or one
+    line saying which shape that is."""
+    args = [np.asarray(a) for a in args]
+    for (name, shape), arg in zip(self._input_shapes(), args):
+      if shape is not None and list(arg.shape) != list(shape):
+        raise PlanError(self._shape_message(name, list(arg.shape), list(shape)))
+    return args
+
+  def _input_shapes(self):
+    """[(input, shape the step takes or None)] in the graph's input order."""
+    from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+    from tfsplit.graph.endpoints import graph_inputs  # pylint: disable=import-outside-toplevel
+    if not hasattr(self, "_shapes"):
+      nodes = {n.name: n for n in self.result.graph_def.node}
+      self._shapes = []
+      for name in graph_inputs(Graph(self.result.graph_def)):
+        attr = nodes[name].attr.get("shape")
+        known = attr is not None and not attr.shape.unknown_rank and \
+            all(d.size >= 0 for d in attr.shape.dim)
+        self._shapes.append((name, [d.size for d in attr.shape.dim] if known else None))
+    return self._shapes
+
+  def _shape_message(self, name, got, want):
+    return (f"input '{name}' of shape {got}: the split step takes {want}, the shape it was "
+            "traced with (input_signature); feed the batch it was traced for")
+
   def call(self, args):
-    outputs, _ = self.session.run([np.asarray(a) for a in args])
+    outputs, _ = self.session.run(self._feed(args))
     return list(outputs)
 
   def trace(self, args):
     from tfsplit.runtime import trace as trace_lib  # pylint: disable=import-outside-toplevel
-    outputs, metadata = self.session.run([np.asarray(a) for a in args], trace=True)
+    outputs, metadata = self.session.run(self._feed(args), trace=True)
     return list(outputs), trace_lib.op_events(metadata)
 
   def assign(self, values):
@@ -218,6 +245,13 @@ class TaskRunner(ClientRunner):
   @property
   def task_inputs(self):
     return self.result.task.inputs
+
+  def _shape_message(self, name, got, want):
+    share = self.task_inputs.get(name, {})
+    glob = share.get("global_shape")
+    return (f"input '{name}' of shape {got}: task {self.task}'s step takes {want}, its share "
+            f"of the global batch {glob} the step was traced with; trace it with the global "
+            "batch (input_signature) and feed each task step.local_batch(*global_batch)")
 
   def local_batch(self, inputs):
     shares = list(self.task_inputs.values())

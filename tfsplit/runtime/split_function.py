@@ -14,6 +14,7 @@ step runs with one Grappler round (see graph_function.grappler_config): a
 pipelined one keeps its schedule's order so, and any split step starts
 sooner.
 """
+from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
 from tfsplit.graph.ir import without_gc
@@ -41,15 +42,36 @@ def _captured_variables(concrete_fn, graph_def):
   return out
 
 
+def _concrete(fn, input_signature):
+  """The ConcreteFunction of `fn` to split, or one line saying what to give."""
+  if hasattr(fn, "fit") and hasattr(fn, "layers"):
+    raise PlanError(f"tfsplit.split wraps a tf.function, and {type(fn).__name__} is a Keras "
+                    "model: train it split with tfsplit.keras.split(model, mesh=...) and its "
+                    "fit(), or split a tf.function of its training step")
+  if not hasattr(fn, "get_concrete_function"):
+    if not hasattr(fn, "structured_outputs"):
+      raise PlanError(f"tfsplit.split wraps a tf.function or a ConcreteFunction, not "
+                      f"{type(fn).__name__}; decorate the training step with @tf.function")
+    return fn
+  try:
+    return (fn.get_concrete_function(*input_signature) if input_signature
+            else fn.get_concrete_function())
+  except TypeError as e:
+    if input_signature:
+      raise
+    first = (str(e).strip().splitlines() or [""])[0]
+    raise PlanError(f"tfsplit.split traces the function once and needs the shapes and "
+                    f"dtypes of its arguments ({first[:120]}); pass input_signature=["
+                    "tf.TensorSpec([BATCH, ...], dtype), ...], the global batch") from None
+
+
 class Traced(object):
   """A tf.function traced for a split: its ConcreteFunction's GraphDef (after
   `prepare`, a caller's GraphDef -> GraphDef edit), the variables it
   captures by recorded name, and the structure of its outputs."""
 
   def __init__(self, fn, input_signature=None, variable_names=None, prepare=None):
-    concrete = (fn.get_concrete_function(*input_signature) if input_signature
-                else fn.get_concrete_function()) if hasattr(fn, "get_concrete_function") \
-        else fn
+    concrete = _concrete(fn, input_signature)
     self.graph_def = load_graph(concrete, variable_names=variable_names)
     if prepare is not None:
       self.graph_def = prepare(self.graph_def)

@@ -57,13 +57,72 @@ def short_device(device):
   return short
 
 
+def check_pair(original, rewritten, manifest, names=("the original", "the rewritten graph")):
+  """Refuses in one line, before anything runs, a pair that is not what it
+  claims: the original a split graph (arguments swapped), a split graph
+  without a manifest, or a manifest whose shards are not the rewritten
+  graph's variables (another split's manifest). `manifest` is
+  {variable: shard entry} or None; `names` say how the two were given."""
+  from tfsplit.graph.variables import find_variables  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime.graph_function import is_split  # pylint: disable=import-outside-toplevel
+  first, second = names
+  if is_split(original):
+    hint = (" (the arguments look swapped: the unsplit graph comes first, "
+            "tfsplit verify ORIGINAL REWRITTEN)" if not is_split(rewritten) else "")
+    raise TfsplitError(f"{first} is a graph written by tfsplit rewrite{hint}; give the graph "
+                       "the rewrite was made from as the original")
+  if manifest is None:
+    if is_split(rewritten):
+      raise TfsplitError(f"{second} is a split graph but no shard manifest was found for it; "
+                         "give the '.manifest.json' tfsplit rewrite wrote beside it "
+                         "(--manifest)")
+    return
+  held = {v.name: v for v in find_variables(Graph(rewritten))}
+  devices = {n.name: n.device for n in rewritten.node}
+  for variable, entry in sorted(manifest.items()):
+    for shard in entry["shards"]:
+      info = held.get(shard["name"])
+      if info is not None and list(info.shape or ()) == list(shard["shape"]) and \
+          short_device(devices[info.node]) == short_device(shard["device"]):
+        continue
+      what = ("is not a variable of it" if info is None else
+              f"is {list(info.shape or ())} on {short_device(devices[info.node])} there, "
+              f"not {list(shard['shape'])} on {short_device(shard['device'])}")
+      raise TfsplitError(f"the manifest does not describe {second}: shard '{shard['name']}' "
+                         f"of variable '{variable}' {what}; give the manifest tfsplit "
+                         "rewrite wrote beside it (--manifest)")
+
+
+def _bound_like(original, rewritten):
+  """`original` with an unknown batch dimension bound to the batch the
+  rewritten graph was split for (rewrite --batch), so both run one batch."""
+  from tfsplit.graph.endpoints import bind_batch, graph_inputs, unbound_batch_inputs  # pylint: disable=import-outside-toplevel
+  unbound = unbound_batch_inputs(Graph(original))
+  if not unbound:
+    return original
+  split = Graph(rewritten)
+  shapes = {name: split.node(name).attr["shape"].shape for name in graph_inputs(split)}
+  name = unbound[0][0]
+  if name not in shapes or not shapes[name].dim or shapes[name].dim[0].size < 0:
+    return original   # seeded_inputs names the input that needs a static shape
+  return bind_batch(original, shapes[name].dim[0].size)
+
+
 def _run(graph_def, variables, inputs, steps, outputs=None):
   """[(outputs, {variable: value})] after each of `steps` runs."""
   fn = import_graph(graph_def, variables, outputs=outputs)
   tensors = [tf.constant(x) for x in inputs]
   out = []
-  for _ in range(steps):
-    results = [o.numpy() for o in fn(*tensors)]
+  for step in range(steps):
+    try:
+      results = [o.numpy() for o in fn(*tensors)]
+    except tf.errors.DeadlineExceededError as e:
+      # A split graph's collectives carry the rewrite's --collective-timeout.
+      first = (str(e).strip().splitlines() or [""])[0]
+      raise TfsplitError(f"step {step + 1} of the rewritten graph stopped: a collective "
+                         f"waited past its timeout ({first[:160]}); a device never joined "
+                         "it, so the graph was not written for this mesh or was edited "
+                         "after the rewrite: rewrite it again") from None
     out.append((results, {k: v.numpy() for k, v in variables.items()}))
   return out
 
@@ -121,8 +180,12 @@ def _reference(original, values, inputs, steps, n_outputs, fresh):
 def verify(original, rewritten, manifest=None, steps=1, seed=0,
            rtol=compare_lib.DEFAULT_RTOL, int_max=None, every_step=False,
            update_rtol=compare_lib.DEFAULT_UPDATE_RTOL, cluster=None,
-           timeout_seconds=600.0):
+           timeout_seconds=600.0, names=("the original", "the rewritten graph")):
   """compare.Report of `rewritten` against `original` (GraphDefs or paths).
+
+  A pair that is not what it claims (check_pair: swapped, a split graph
+  without its manifest, another split's manifest) is refused in one line
+  before anything runs; `names` say how the two were given.
 
   A rewritten graph placed on worker tasks (`tfsplit rewrite --cluster`) runs
   on `cluster` (default TF_CONFIG: see runtime/cluster.py), each step bounded
@@ -146,6 +209,8 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
     if lowered:   # the raised check below compares without it
       manifest_arg = dict(manifest, gradient_reduce=None)
     manifest = manifest["variables"]
+  check_pair(original, rewritten, manifest, names)
+  original = _bound_like(original, rewritten)
   original_graph = Graph(original)
   values = seeded_variable_values(original_graph, seed)
   if manifest is not None and set(manifest) != set(values):
@@ -176,7 +241,7 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
     # reference against the reference), per shard by RMS.
     raised = verify(precision_lib.promoted(original), precision_lib.promoted(rewritten),
                     manifest_arg, steps, seed, rtol, int_max, every_step, update_rtol,
-                    cluster, timeout_seconds)
+                    cluster, timeout_seconds, names)
     want32 = _reference(precision_lib.promoted(original), values, inputs, steps,
                         len(outputs), fresh)[0]
 
@@ -250,9 +315,10 @@ def verify_files(original, rewritten, manifest=None, signature=None, variables=N
   # which the logical devices the rewritten graph needs can no longer be made.
   from tfsplit.runtime import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
   rewritten_def = load_graph(rewritten)
+  names = (f"ORIGINAL '{original}'", f"REWRITTEN '{rewritten}'")
   if not cluster_lib.needs_cluster(rewritten_def):
     devices_lib.ensure_logical_devices(devices_lib.required_devices(rewritten_def))
   original_def = load_graph(original, signature=signature, variables_from=variables)
   recover.require_variable_shapes(original_def, original)
   return verify(original_def, rewritten_def, manifest_lib.find(rewritten, manifest),
-                **options)
+                names=names, **options)
