@@ -10,7 +10,6 @@ running, so their branches are split like any other ops. Loops (`While`, ...)
 and `Case` are kept as opaque nodes: their bodies stay in the library and a
 warning names them.
 """
-from absl import logging
 from tensorflow.core.framework import attr_value_pb2
 from tensorflow.core.framework import node_def_pb2
 from tensorflow.core.framework import types_pb2
@@ -201,12 +200,6 @@ def inline_functions(graph_def):
   else:
     raise GraphValidationError(
         f"function calls nested deeper than {_MAX_ROUNDS} levels (recursion?)")
-
-  for node in graph.nodes:
-    if node.op in CONTROL_FLOW_OPS:
-      logging.warning("node '%s' (op %s) is functional control flow; it is "
-                      "kept as one opaque node and will not be split",
-                      node.name, node.op)
 
   result = graph.to_graph_def()
   # Keep only the functions still reachable from remaining nodes.

@@ -19,6 +19,11 @@ from tfsplit.graph.ir import Graph
 # On a forward op's copy made for the backward pass (memory/recompute.py): the
 # original's name. The copy is a backward op of the original's layer.
 RECOMPUTE_OF_ATTR = "_tfsplit_recompute_of"
+# What the gradient tape creates in its scope for the forward pass to fill: a
+# loop's TensorList accumulators (the forward While keeps each iteration's
+# values in them for its gradient loop). Reading one leaves a forward op
+# forward: else the loop, and all after it, counted as backward.
+_TAPE_ACCUMULATORS = frozenset(["EmptyTensorList"])
 
 
 @dataclasses.dataclass
@@ -110,7 +115,9 @@ def _forward_and_update_roles(facts, role, constant):
       continue
     op = facts.op_of[name]
     data_in = facts.sources[name]
-    if name in forward_set and not any(role.get(s) == BACKWARD for s in data_in):
+    if name in forward_set and not any(role.get(s) == BACKWARD and
+                                       facts.op_of[s] not in _TAPE_ACCUMULATORS
+                                       for s in data_in):
       role[name] = FORWARD
     elif data_in and not constants.is_write_op(op) and op != "IdentityN" and any(
         role.get(s) == BACKWARD for s in data_in) and all(

@@ -58,6 +58,7 @@ from tfsplit.cost import op_cost
 from tfsplit.errors import GraphValidationError, PlanError
 from tfsplit.graph import Graph
 from tfsplit.graph.fold import fold_and_expand
+from tfsplit.graph.functions import CONTROL_FLOW_OPS
 from tfsplit.graph.counted_reductions import counted_logical_reductions
 from tfsplit.graph.gradients import rowwise_gradients
 from tfsplit.graph.ir import inputs_come_first, without_gc
@@ -374,6 +375,7 @@ def run_passes(graph_def, config):
   for pass_fn in PASSES:
     pass_fn(state)
   out, prop = state.materialized, state.propagation
+  _warn_whole_loops(state.analysis.graph)
   by_node = {v.node: v.name for v in state.analysis.variables}
   var_specs = {by_node[h]: s.dims for h, s in prop.variable_specs.items()
                if not s.is_replicated}
@@ -400,6 +402,18 @@ def split_graph(graph_def, config, **options):
 
 
 # --- helpers -----------------------------------------------------------------------
+def _warn_whole_loops(graph):
+  """One warning naming the loops (and Case) kept whole: their bodies are
+  not split, the ops around them are."""
+  loops = [n for n in graph.nodes if n.op in CONTROL_FLOW_OPS]
+  if loops:
+    named = ", ".join(f"'{n.name}' (op {n.op})" for n in loops[:3])
+    more = f" and {len(loops) - 3} more" if len(loops) > 3 else ""
+    logging.warning("%s%s: functional control flow runs whole on each device (its body "
+                    "is not split, its inputs gathered); the layers around it split as "
+                    "usual", named, more)
+
+
 def _stage_costs(analysis, mesh):
   """(seconds per model layer, seconds per cut) on the mesh's kind of device:
   roofline op times, and activations plus their gradients over one link."""
