@@ -24,7 +24,9 @@ INLINED_OPS = CALL_OPS | IF_OPS
 CONTROL_FLOW_OPS = frozenset([
     "While", "StatelessWhile", "If", "StatelessIf", "Case", "StatelessCase",
     "For", "RemoteCall"])
-_MAX_ROUNDS = 64  # nesting depth guard (a recursive function would loop)
+_MAX_ROUNDS = 64
+# The ops of a graph that only wraps one call: its arguments, its results.
+_WRAPPER_OPS = frozenset(["Placeholder", "Identity", "IdentityN", "NoOp", "Const"])  # nesting depth guard (a recursive function would loop)
 
 
 def _function_attrs(node):
@@ -38,38 +40,57 @@ def _function_attrs(node):
   return names
 
 
-def _inline_body(graph, fdef, prefix, data_inputs, controls, device, label):
-  """Adds the body of `fdef` to `graph` under `prefix`, its arguments read
-  from `data_inputs`, every node after `controls` (the body's sources and
-  arguments wait for them, so a dead control input kills the whole body).
-  Returns (result tensors, control-output inputs)."""
+def _inline_body(graph, fdef, prefix, data_inputs, controls, device, label,
+                 unprefixed=False):
+  """Adds the body of `fdef` to `graph` under `prefix` (with `unprefixed`,
+  under its own names where they are free: a signature's one call), its
+  arguments read from `data_inputs`, every node after `controls` (the body's
+  sources and arguments wait for them, so a dead control input kills the
+  whole body). A resource argument without controls reads the caller's
+  handle directly, as an Identity of it would. Returns (result tensors,
+  control-output inputs)."""
   body, nested_to_flat = function_def_to_graph.function_def_to_graph_def(fdef)
   arg_names = [arg.name for arg in fdef.signature.input_arg]
   if len(data_inputs) != len(arg_names):
     raise GraphValidationError(
         f"{label} passes {len(data_inputs)} inputs to "
         f"function '{fdef.signature.name}', which takes {len(arg_names)}")
+  direct = {} if controls else {
+      arg.name: data_inputs[i] for i, arg in enumerate(fdef.signature.input_arg)
+      if arg.type == types_pb2.DT_RESOURCE}
+  new_name = {node.name: node.name if unprefixed and node.name not in graph
+              else prefix + node.name for node in body.node if node.name not in direct}
 
   def rename(text):
     name, port = parse_input(text)
+    if name in direct:
+      return control_input(parse_input(direct[name])[0]) if port < 0 else direct[name]
+    name = new_name.get(name, prefix + name)
     if port < 0:
-      return control_input(prefix + name)
-    return prefix + name if port == 0 else f"{prefix}{name}:{port}"
+      return control_input(name)
+    return name if port == 0 else f"{name}:{port}"
 
   arg_set = set(arg_names)
   for node in body.node:
+    if node.name in direct:
+      continue
     if node.name in arg_set:
       index = arg_names.index(node.name)
-      graph.add_node(prefix + node.name, "Identity",
+      graph.add_node(new_name[node.name], "Identity",
                      [data_inputs[index]] + controls,
                      {"T": attr_value_pb2.AttrValue(type=node.attr["dtype"].type)},
                      device)
       continue
-    new = graph.add_node(prefix + node.name, node.op,
+    new = graph.add_node(new_name[node.name], node.op,
                          [rename(t) for t in node.input], None,
                          node.device or device)
     for key in node.attr:
       new.attr[key].CopyFrom(node.attr[key])
+    if "_class" in new.attr:   # colocation with a body node: its new name
+      located = [b"loc:@" + rename(v.decode()[len("loc:@"):]).encode()
+                 if v.startswith(b"loc:@") else v for v in new.attr["_class"].list.s]
+      del new.attr["_class"].list.s[:]
+      new.attr["_class"].list.s.extend(located)
     if controls and not node.input:
       # Source nodes of the body must still wait for the call's control inputs.
       new.input.extend(controls)
@@ -79,18 +100,17 @@ def _inline_body(graph, fdef, prefix, data_inputs, controls, device, label):
     nested = fdef.ret[out_arg.name]
     flat = nested_to_flat.get(nested, nested)
     results.append(rename(flat))
-  control_outputs = [control_input(prefix + fdef.control_ret[k])
-                     for k in sorted(fdef.control_ret)]
+  control_outputs = [rename("^" + fdef.control_ret[k]) for k in sorted(fdef.control_ret)]
   return results, control_outputs
 
 
-def _inline_call(graph, call, fdef):
+def _inline_call(graph, call, fdef, unprefixed=False):
   """Replaces `call` (a NodeDef in `graph`) by the body of `fdef`."""
   data_inputs = [t for t in call.input if not t.startswith("^")]
   call_controls = [t for t in call.input if t.startswith("^")]
   results, controls = _inline_body(
       graph, fdef, call.name + "/", data_inputs, call_controls, call.device,
-      f"node '{call.name}' (op {call.op})")
+      f"node '{call.name}' (op {call.op})", unprefixed)
   out_types = [a.type for a in fdef.signature.output_arg]
   call_name, call_device = call.name, call.device
   graph.remove_nodes([call_name])
@@ -182,6 +202,13 @@ def inline_functions(graph_def):
   """
   graph = Graph(graph_def)
   functions = {f.signature.name: f for f in graph_def.library.function}
+  calls = [n for n in graph.nodes if n.op in CALL_OPS]
+  if len(calls) == 1 and all(n.op in _WRAPPER_OPS for n in graph.nodes if n is not calls[0]):
+    # A wrapper (a SavedModel signature, a function calling one tf.function):
+    # its call's body keeps its own names, so gradient scopes stay scopes.
+    fname = calls[0].attr["f"].func.name
+    if fname in functions:
+      _inline_call(graph, calls[0], functions[fname], unprefixed=True)
   for _ in range(_MAX_ROUNDS):
     calls = [n for n in graph.nodes if n.op in CALL_OPS]
     conditionals = [n for n in graph.nodes if _lowers(n)]
