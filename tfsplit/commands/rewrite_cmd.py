@@ -79,6 +79,9 @@ def define_flags(fv):
                        "blocks run on 1/tp of the sequence (reduce-scatter and all-gather in "
                        "place of each forward all-reduce, the same bytes; their "
                        "activations divided by tp).", flag_values=fv)
+  flags.DEFINE_boolean("strict", False, "Refuse a split that does less than the mesh asks "
+                       "(a tp or ep axis that splits no variable) instead of warning.",
+                       flag_values=fv)
   flags.DEFINE_integer("batch", None, "The global batch of a graph traced with an unknown "
                        "batch dimension (inputs of shape [None, ...]): its inputs are bound "
                        "to it before the split, which needs static sizes.", lower_bound=1,

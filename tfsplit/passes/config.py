@@ -87,6 +87,9 @@ class SplitConfig:
   batch_size: the global batch of a step traced with an unknown batch
     dimension (TensorSpec([None, ...])): its inputs are bound to it before
     the split, which needs static sizes; None: the traced batch.
+  strict: a split that does less than its mesh asked (a tp or ep axis that
+    splits no variable) is refused (PlanError) instead of warned about
+    (passes/coverage.py).
   task: None (the graph of the whole mesh), or the index of the cluster task
     whose part alone is written (sharding/tasks.py): its nodes, the edges to
     other tasks made broadcasts, its inputs its share of the batch.
@@ -110,6 +113,7 @@ class SplitConfig:
   gradient_reduce_dtype: Optional[str] = None
   sequence_parallel: bool = False
   batch_size: Optional[int] = None
+  strict: bool = False
 
   def __post_init__(self):
     # One spelling per option: "none" (the CLI's word) is None, mappings and
@@ -183,6 +187,8 @@ class SplitConfig:
     n = self.batch_size
     if n is not None and (isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1):
       raise PlanError(f"batch_size must be a positive integer (the global batch), got {n!r}")
+    if not isinstance(self.strict, bool):
+      raise PlanError(f"strict must be True or False, got {self.strict!r}")
     if not isinstance(self.sequence_parallel, bool):
       raise PlanError(f"sequence_parallel must be True or False, got {self.sequence_parallel!r}")
     if self.sequence_parallel:

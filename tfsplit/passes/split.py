@@ -64,6 +64,7 @@ from tfsplit.graph.gradients import rowwise_gradients
 from tfsplit.graph.ir import inputs_come_first, without_gc
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
+from tfsplit.passes import coverage
 from tfsplit.passes.analysis import Analysis
 from tfsplit.passes.config import SplitConfig
 from tfsplit.passes.result import SplitResult
@@ -375,7 +376,7 @@ def run_passes(graph_def, config):
   for pass_fn in PASSES:
     pass_fn(state)
   out, prop = state.materialized, state.propagation
-  _warn_whole_loops(state.analysis.graph)
+  loops = _warn_whole_loops(state.analysis.graph)
   by_node = {v.node: v.name for v in state.analysis.variables}
   var_specs = {by_node[h]: s.dims for h, s in prop.variable_specs.items()
                if not s.is_replicated}
@@ -383,10 +384,13 @@ def run_passes(graph_def, config):
                "%d fallbacks", state.mesh, len(var_specs),
                sum(c.kind == "all_reduce" for c in out.collectives),
                sum(c.kind == "all_gather" for c in out.collectives), len(prop.fallbacks))
-  return SplitResult(out.graph_def, out.manifest, out.collectives, prop.fallbacks, var_specs,
-                     out.output_copies, out.records, config, state.mesh, state.partition,
-                     state.stage_of, state.schedule_edges, state.offload,
-                     state.offloaded_nodes, state.task_part, tuple(state.experts))
+  result = SplitResult(out.graph_def, out.manifest, out.collectives, prop.fallbacks,
+                       var_specs, out.output_copies, out.records, config, state.mesh,
+                       state.partition, state.stage_of, state.schedule_edges, state.offload,
+                       state.offloaded_nodes, state.task_part, tuple(state.experts))
+  logging.info("%s", coverage.axis_line(result).strip())
+  coverage.check(result, loops)
+  return result
 
 
 def split_graph(graph_def, config, **options):
@@ -404,7 +408,7 @@ def split_graph(graph_def, config, **options):
 # --- helpers -----------------------------------------------------------------------
 def _warn_whole_loops(graph):
   """One warning naming the loops (and Case) kept whole: their bodies are
-  not split, the ops around them are."""
+  not split, the ops around them are. Returns their names."""
   loops = [n for n in graph.nodes if n.op in CONTROL_FLOW_OPS]
   if loops:
     named = ", ".join(f"'{n.name}' (op {n.op})" for n in loops[:3])
@@ -412,6 +416,7 @@ def _warn_whole_loops(graph):
     logging.warning("%s%s: functional control flow runs whole on each device (its body "
                     "is not split, its inputs gathered); the layers around it split as "
                     "usual", named, more)
+  return [n.name for n in loops]
 
 
 def _stage_costs(analysis, mesh):

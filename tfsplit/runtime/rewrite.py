@@ -8,6 +8,7 @@ import collections
 import time
 
 from tfsplit import constants
+from tfsplit.passes import coverage
 
 
 def rewrite_file(source, output, config, signature=None, variables=None, graph_def=None):
@@ -48,6 +49,7 @@ def summary(graph_def, result):
   lines = [f"  {len(graph_def.node)} -> {len(result.graph_def.node)} nodes, {split_vars} "
            f"of {len(result.manifest)} variables split"]
   lines.append(_ops_per_device_line(graph_def, result))
+  lines.append(coverage.axis_line(result))
   if result.partition and config.virtual_stages > 1:
     lines.append(f"  pipeline: {config.stages} stages x {config.virtual_stages} virtual "
                  f"stages, chunks {result.partition}, {config.schedule} over "

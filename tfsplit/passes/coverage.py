@@ -1,0 +1,100 @@
+"""What each mesh axis of a split really splits, and a split that does less
+than its mesh asked: never silently.
+
+    axis_splits(result)     one AxisSplit per mesh axis: the variables and
+                            bytes a model axis (tp, ep) splits, the batch a
+                            data axis splits, the stages of a pipeline axis
+    shortfall(result)       one line when a model axis of size 2 or more
+                            splits no variable, naming why (the strategy, an
+                            op that fell back to replication, loops kept
+                            whole, no weight contraction); None otherwise
+    check(result)           that line as a warning, or (config.strict) as a
+                            PlanError: the split refused
+"""
+import collections
+
+import numpy as np
+from absl import logging
+
+from tfsplit import constants
+from tfsplit.errors import PlanError
+from tfsplit.layout.spec import axis_parts
+
+AxisSplit = collections.namedtuple("AxisSplit", "axis size kind variables bytes "
+                                                "total_variables total_bytes")
+MODEL_AXES = (constants.TENSOR_AXIS, constants.EXPERT_AXIS)
+
+
+def _bytes(entry):
+  return int(np.prod(entry["shape"], dtype=np.int64)) * np.dtype(entry["dtype"]).itemsize
+
+
+def axis_splits(result):
+  """[AxisSplit] for every axis of the mesh asked for, in mesh order; kind is
+  'weights' (variables split over it), 'batch' or 'stages'."""
+  manifest = result.manifest
+  total = sum(_bytes(e) for e in manifest.values())
+  out = []
+  for axis, size in result.config.mesh.axes.items():
+    split = [e for e in manifest.values()
+             if any(d and axis in axis_parts(d) for d in e["sharding"])]
+    kind = ("stages" if axis == constants.PIPELINE_AXIS else
+            "batch" if axis == constants.DATA_AXIS else "weights")
+    out.append(AxisSplit(axis, size, kind, len(split), sum(_bytes(e) for e in split),
+                         len(manifest), total))
+  return out
+
+
+def axis_line(result):
+  """'  per axis: tp=2 splits 120 of 209 variables (3.1 of 4.2 MiB); ...'."""
+  parts = []
+  for a in axis_splits(result):
+    what = f"{a.axis}={a.size} splits "
+    if a.kind == "stages":
+      what += f"the layers into {len(result.partition or ()) or a.size} model chunks"
+    elif a.kind == "batch":
+      what += "the batch" + (f" and {a.variables} optimizer-state variables"
+                             if a.variables else "")
+    else:
+      what += (f"{a.variables} of {a.total_variables} variables "
+               f"({a.bytes / 2**20:.3g} of {a.total_bytes / 2**20:.3g} MiB)")
+    parts.append(what)
+  return "  per axis: " + "; ".join(parts)
+
+
+def shortfall(result, loops=()):
+  """One line naming a model axis of size 2+ that splits no variable and
+  why, or None. `loops`: the names of loops kept whole."""
+  config = result.config
+  for a in axis_splits(result):
+    if a.kind != "weights" or a.size < 2 or a.variables:
+      continue
+    annotated = any(a.axis in axis_parts(d) for dims in config.annotations.values()
+                    for d in dims if d)
+    if config.strategy != "megatron" and not annotated:
+      why = f"strategy '{config.strategy}' and no annotation names {a.axis}"
+    elif result.fallbacks:
+      first = result.fallbacks[0]
+      why = (f"{len(result.fallbacks)} op(s) fell back to replication, first node "
+             f"'{first.node}' (op {first.op}): {first.reason}")
+    elif loops:
+      why = (f"no weight contraction outside the loops kept whole ("
+             + ", ".join(f"'{l}'" for l in loops[:3]) + ")")
+    else:
+      why = ("the megatron preset found no weight contraction (a MatMul, BatchMatMul or "
+             "Einsum reading a trainable variable of rank 2 or more)")
+    return (f"mesh axis {a.axis}={a.size} splits no variable of {a.total_variables} "
+            f"({a.total_bytes / 2**20:.3g} MiB): {why}; every device holds every weight")
+  return None
+
+
+def check(result, loops=()):
+  """Warns in one line when the split does less than the mesh asked; with
+  config.strict, refuses it (PlanError) instead."""
+  line = shortfall(result, loops)
+  if line is None:
+    return
+  if result.config.strict:
+    raise PlanError(f"{line}; annotate the weights to split (--annotate), drop the axis, "
+                    "or leave strict off to split anyway")
+  logging.warning("%s (strict=True / --strict makes this an error)", line)
