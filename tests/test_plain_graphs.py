@@ -131,6 +131,22 @@ def unrecoverable(tmp_path_factory):
   return directory / "f.pb", prefix
 
 
+def test_variables_that_match_nothing_say_what_they_hold(unrecoverable, tmp_path, capsys):
+  """--variables given, but its names are not the graph's (a Keras backbone
+  saved under object paths): the line says what it holds, not 'pass
+  --variables' again."""
+  path, _ = unrecoverable
+  other = tf.Variable(tf.zeros([4, 4]), name="dense_kernel")
+  prefix = tf.train.Checkpoint(backbone=other).save(str(tmp_path / "ckpt" / "b"))
+  out = tmp_path / "out.pb"
+  code, stdout, err = _cli(["rewrite", path, "-o", out, "--mesh", "tp=2", "--variables",
+                            prefix], capsys)
+  lines = [l for l in err.splitlines() if l.strip()]
+  assert code == 2 and len(lines) == 1, stdout + err
+  assert f"--variables {prefix} holds 1 variables under other names" in lines[0], lines[0]
+  assert "pass --variables PATH" not in lines[0] and not out.exists()
+
+
 def test_unrecoverable_shapes_are_one_line(unrecoverable, tmp_path, capsys):
   path, prefix = unrecoverable
   out = tmp_path / "out.pb"

@@ -104,7 +104,7 @@ def mesh_fallbacks(source, config, fv):
   from tfsplit.passes import split as split_lib
   from tfsplit.passes.analysis import Analysis
   graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
-  recover.require_variable_shapes(graph_def, source)
+  recover.require_variable_shapes(graph_def, source, fv.variables)
   state = split_lib.SplitState(config, config.split_mesh(),
                                Analysis(graph_def))
   last = split_lib.PASSES.index(split_lib.assign_stages)

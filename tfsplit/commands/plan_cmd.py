@@ -97,7 +97,7 @@ def run(fv, args):
   from tfsplit.graph import load_graph, recover  # pylint: disable=import-outside-toplevel
   source = args[0]
   graph_def = load_graph(source, signature=fv.signature, variables_from=fv.variables)
-  recover.require_variable_shapes(graph_def, source)
+  recover.require_variable_shapes(graph_def, source, fv.variables)
   profile = plan_lib.profile_graph(graph_def, fv.devices, spec, fv.calibration, source)
   plan, result = plan_lib.plan_profile(profile, fv.devices, cap, spec, top=fv.top,
                                        progress=_progress(), max_tp=fv["max-tp"].value,

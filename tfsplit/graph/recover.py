@@ -104,19 +104,29 @@ class RecoveryReport:
             f"{self.rounds} inference rounds, outputs {self.outputs}")
 
 
-def missing_shapes_message(label, missing, total):
+def missing_shapes_message(label, missing, total, variables_from=None):
   """One line naming the variables without a shape: the trained ones first
-  (up to 6: the weights whose shapes are open; their slots follow them)."""
+  (up to 6: the weights whose shapes are open; their slots follow them).
+  With `variables_from` (the --variables given), what it holds instead."""
   missing = sorted(missing, key=lambda v: not v.trainable)  # stable: node order kept
   count = min(max(3, sum(bool(v.trainable) for v in missing)), 6)
   shown = ", ".join(v.name + (f" {v.shape_text()}" if v.shape is not None else "")
                     for v in missing[:count])
   more = f" and {len(missing) - count} more" if len(missing) > count else ""
-  return (f"{label}: {len(missing)} of {total} captured variables have no shape the "
-          f"graph determines ({shown}{more}); pass --variables PATH (a checkpoint or "
-          "SavedModel holding them) to take shapes from there, write the graph with its "
-          "shapes (concrete_fn.graph.as_graph_def(add_shapes=True)), or load it from its "
-          "tf.function (tfsplit.graph.load_graph(concrete_fn)) so tfsplit records them")
+  head = (f"{label}: {len(missing)} of {total} captured variables have no shape the "
+          f"graph determines ({shown}{more})")
+  fixes = ("write the graph with its shapes (concrete_fn.graph.as_graph_def("
+           "add_shapes=True)), or load it from its tf.function "
+           "(tfsplit.graph.load_graph(concrete_fn)) so tfsplit records them")
+  if variables_from is None:
+    return (f"{head}; pass --variables PATH (a checkpoint or SavedModel holding them) to "
+            f"take shapes from there, {fixes}")
+  saved = [v.name for v in read_saved_variables(variables_from)]
+  held = ", ".join(f"'{n}'" for n in saved[:3]) + (" ..." if len(saved) > 3 else "")
+  return (f"{head}; --variables {variables_from} holds {len(saved)} variables under other "
+          f"names ({held or 'none'}), none of them these: save the same tf.function's "
+          "variables by their names (tf.train.Checkpoint(**{var.name.split(':')[0]: var}), "
+          f"or a SavedModel of the step), or {fixes}")
 
 
 def needs_recovery(graph_def):
@@ -185,8 +195,9 @@ def recover(graph_def, variables_from=None):
   return report
 
 
-def require_variable_shapes(graph_def, label="graph"):
-  """Raises TfsplitError (one line) if a captured variable has no known shape."""
+def require_variable_shapes(graph_def, label="graph", variables_from=None):
+  """Raises TfsplitError (one line) if a captured variable has no known
+  shape; `variables_from`: the --variables the shapes were looked for in."""
   missing, total = [], 0
   for node in graph_def.node:
     if not variables_lib.is_variable_node(node) or node.op != "Placeholder":
@@ -200,4 +211,4 @@ def require_variable_shapes(graph_def, label="graph"):
           node.attr[variables_lib.VAR_TRAINABLE_ATTR].b
           if variables_lib.VAR_TRAINABLE_ATTR in node.attr else None)))
   if missing:
-    raise TfsplitError(missing_shapes_message(label, missing, total))
+    raise TfsplitError(missing_shapes_message(label, missing, total, variables_from))

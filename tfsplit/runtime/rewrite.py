@@ -38,7 +38,7 @@ def load_source(source, signature=None, variables=None):
   """The graph at `source`, its variables' shapes required."""
   from tfsplit.graph import load_graph, recover  # pylint: disable=import-outside-toplevel
   graph_def = load_graph(source, signature=signature, variables_from=variables)
-  recover.require_variable_shapes(graph_def, source)
+  recover.require_variable_shapes(graph_def, source, variables)
   return graph_def
 
 

@@ -319,6 +319,6 @@ def verify_files(original, rewritten, manifest=None, signature=None, variables=N
   if not cluster_lib.needs_cluster(rewritten_def):
     devices_lib.ensure_logical_devices(devices_lib.required_devices(rewritten_def))
   original_def = load_graph(original, signature=signature, variables_from=variables)
-  recover.require_variable_shapes(original_def, original)
+  recover.require_variable_shapes(original_def, original, variables)
   return verify(original_def, rewritten_def, manifest_lib.find(rewritten, manifest),
                 names=names, **options)
