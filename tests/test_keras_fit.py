@@ -291,6 +291,8 @@ def test_last_batch_that_does_not_divide_is_one_line():
   message = str(error.value)
   assert "\n" not in message and "a batch of 3 examples" in message, message
   assert "drop_remainder=True" in message
+  # Refused before the first batch: nothing was traced, split or trained.
+  assert split_model.split_step is None
 
 
 def test_layer_the_split_refuses_is_named_by_its_keras_name():

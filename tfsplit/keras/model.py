@@ -222,6 +222,33 @@ class SplitModelMixin(object):
           f"use a global batch size that is a multiple of {dp * m}, and a last batch "
           "that is one too (batch a tf.data dataset with drop_remainder=True)")
 
+  def _check_batches(self, x, batch_size):
+    """Before the first epoch: array inputs whose batches (the last one
+    too) will not divide over dp x micro-batches are refused now, not when
+    the odd batch arrives after epochs of training. Datasets are checked as
+    their batches come."""
+    state = self._tfsplit
+    if state.mesh_axes is None or x is None:
+      return
+    first = next((t for t in tf.nest.flatten(x) if t is not None), None)
+    if first is None or not hasattr(first, "shape") or isinstance(first, tf.data.Dataset) or \
+        not first.shape or first.shape[0] is None:
+      return
+    n, size = int(first.shape[0]), int(batch_size or 32)
+    sizes = {min(size, n)} | ({n % size} if n % size and n > size else set())
+    dp = state.mesh_axes.get("dp", 1)
+    m = int(state.options.get("microbatches", 1) or 1) if state.step is None else \
+        int(state.step.config.microbatches)
+    bad = sorted(b for b in sizes if b % (dp * m))
+    if bad:
+      raise PlanError(
+          f"fit would cut {n} examples into batches of {size}"
+          + (f" (the last of {n % size})" if n % size and n > size else "")
+          + f", and a batch of {bad[0]} examples does not divide over dp={dp} x "
+          f"microbatches={m}: "
+          f"use a batch_size and a number of examples that are multiples of {dp * m} "
+          "(or a tf.data dataset batched with drop_remainder=True)")
+
   def _report_fallbacks(self, step):
     """Says once, by Keras layer, which ops were replicated instead of split
     (their split inputs gathered): correct, but slower and bigger."""
@@ -360,6 +387,9 @@ class SplitModelMixin(object):
 
   # --- Keras methods that read or write the weights ----------------------------------
   def fit(self, *args, **kwargs):
+    if not kwargs.get("validation_split") and kwargs.get("steps_per_epoch") is None:
+      self._check_batches(args[0] if args else kwargs.get("x"),
+                          kwargs.get("batch_size", args[2] if len(args) > 2 else None))
     callbacks = list(kwargs.pop("callbacks", None) or [])
     kwargs["callbacks"] = [_pull_at_epoch_end(self)] + callbacks
     try:
