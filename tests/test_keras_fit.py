@@ -468,3 +468,39 @@ def test_on_batch_methods(flavor):
   assert compare.compare("output", "predictions", got_pred, want_pred).ok
   kinds = split_model._tfsplit.kinds  # pylint: disable=protected-access
   assert [len(kinds[k].steps) for k in ("train", "test", "predict")] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("flavor", ["keras", "tf_keras"])
+def test_task_models_compile_defaults_are_kept(flavor):
+  """A task model whose compile() adds its default loss and metric (as
+  model libraries' task classes do): compiled through the split model, fit
+  reports that metric and trains as the plain model does."""
+  import importlib  # pylint: disable=import-outside-toplevel
+  K = importlib.import_module(flavor)
+
+  class Task(K.Model):
+
+    def __init__(self):
+      inputs = K.Input((8,))
+      super().__init__(inputs, K.layers.Dense(4)(K.layers.Dense(16)(inputs)))
+
+    def compile(self, optimizer="sgd", loss="auto", metrics="auto", **kwargs):  # pylint: disable=arguments-differ
+      if loss == "auto":
+        loss = K.losses.SparseCategoricalCrossentropy(from_logits=True)
+      if metrics == "auto":
+        metrics = [K.metrics.SparseCategoricalAccuracy(name="task_accuracy")]
+      super().compile(optimizer=optimizer, loss=loss, metrics=metrics, **kwargs)
+
+  rng = np.random.RandomState(0)
+  x, y = rng.normal(size=(16, 8)).astype(np.float32), (np.arange(16) % 4).astype(np.int32)
+  histories = []
+  for split in (False, True):
+    K.utils.set_random_seed(3)
+    task = Task()
+    target = tfsplit.keras.split(task, mesh="dp=2") if split else task
+    target.compile(optimizer=K.optimizers.SGD(0.1))
+    histories.append(target.fit(x, y, batch_size=8, epochs=2, shuffle=False,
+                                verbose=0).history)
+  want, got = histories
+  assert "task_accuracy" in got and set(got) == set(want), (got, want)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)

@@ -147,3 +147,18 @@ def flavor_of(model):
       return TfKeras()
   raise TypeError(f"tfsplit.keras.split needs a keras.Model or tf_keras.Model, got "
                   f"{type(model).__name__} (from {module})")
+
+
+def compile_arguments(model, args, kwargs):
+  """The arguments a model's own compile() resolves `args`/`kwargs` to, when
+  its class overrides compile (a task model adding its default loss or
+  metrics): it compiles itself, and Keras (both flavors) keeps what reached
+  its base compile in `_compile_config.config`. None when the class does
+  not override compile or Keras kept nothing: compile as given."""
+  base = type(model).__mro__
+  flavor = flavor_of(model)
+  if type(model).compile is flavor.module.Model.compile or flavor.module.Model not in base:
+    return None
+  model.compile(*args, **kwargs)
+  kept = getattr(getattr(model, "_compile_config", None), "config", None)
+  return dict(kept) if isinstance(kept, dict) else None

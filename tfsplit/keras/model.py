@@ -28,7 +28,7 @@ from tfsplit.constants import is_write_op
 from tfsplit.errors import PlanError, TfsplitError, printable
 from tfsplit.graph.ir import input_node
 from tfsplit.graph.prune import drop_variable_writes
-from tfsplit.keras.flavors import wants_predictions
+from tfsplit.keras.flavors import compile_arguments, wants_predictions
 from tfsplit.runtime.split_function import split
 
 # Where the current weights are (see the module doc).
@@ -386,6 +386,14 @@ class SplitModelMixin(object):
     return self.compute_metrics(x, y, y_pred, sample_weight)
 
   # --- Keras methods that read or write the weights ----------------------------------
+  def compile(self, *args, **kwargs):  # pylint: disable=arguments-differ
+    """Keras' compile, with the wrapped model's own defaults when its class
+    overrides compile (a task model's default loss or metrics)."""
+    resolved = compile_arguments(self.model, args, kwargs)
+    if resolved is None:
+      return super().compile(*args, **kwargs)
+    return super().compile(**resolved)
+
   def fit(self, *args, **kwargs):
     if not kwargs.get("validation_split") and kwargs.get("steps_per_epoch") is None:
       self._check_batches(args[0] if args else kwargs.get("x"),
