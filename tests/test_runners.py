@@ -153,6 +153,29 @@ def test_local_runner_trains_saves_and_restores_exactly(tmp_path):
     model.reset()
 
 
+def test_a_step_sharing_shards_keeps_their_split():
+  """A forward step of the same model (evaluation, prediction) over the
+  training step's shards splits each variable as the training step did,
+  though alone its first layer, feeding nothing, would stay whole."""
+  model = _Mlp()
+  try:
+    step = tfsplit.split(model.step, mesh="tp=2", input_signature=model.signature)
+
+    @tf.function
+    def features(x):
+      return tf.nn.relu(tf.matmul(x, model.w1, name="fc1/MatMul"))
+
+    signature = model.signature[:1]
+    alone = tfsplit.split(features, mesh="tp=2", input_signature=signature)
+    assert not any(alone.manifest["fc1/kernel"]["sharding"])
+    shared = tfsplit.split(features, mesh="tp=2", input_signature=signature, shares_with=step)
+    assert shared.manifest["fc1/kernel"]["sharding"] == [None, "tp"]
+    assert all(shared.variables[n] is step.variables[n] for n in shared.variables)
+    np.testing.assert_allclose(shared(model.x), features(model.x), rtol=1e-5, atol=1e-6)
+  finally:
+    model.reset()
+
+
 def test_client_runner_matches_the_local_runner_on_two_workers(tmp_path):
   """The same split through one client over 2 worker processes: the same
   losses, shards, full values and checkpoint as on this process's devices."""

@@ -26,6 +26,12 @@ GRADIENT_REDUCE_DTYPES = ("bfloat16",)
 DEFAULT_BUCKET_BYTES = constants.DEFAULT_BUCKET_BYTES
 
 
+def exact_pattern(name):
+  """Variable name `name` as an annotation pattern (an fnmatch glob)
+  matching only itself."""
+  return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
+
+
 def check_mesh_axes(names, axis=None):
   """Refuse a mesh axis without a meaning: a typo ('pd=2') must not split tensors."""
   known = ", ".join(constants.USER_MESH_AXES)

@@ -25,6 +25,7 @@ from typing import List, Optional, Tuple
 
 from tfsplit.errors import PlanError, TfsplitError
 from tfsplit.fileio import read_json, write_atomically
+from tfsplit.passes.config import exact_pattern
 from tfsplit.plan import space
 from tfsplit.plan.search import DEFAULT_RESERVE, check_reserve
 
@@ -216,11 +217,6 @@ def _shown(value):
   return str(value)
 
 
-def _glob_escape(name):
-  """`name` as an fnmatch pattern matching only itself."""
-  return "".join(f"[{ch}]" if ch in "*?[" else ch for ch in name)
-
-
 def replicated_annotations(graph_def, layers, analysis=None):
   """{variable glob: all-None dims} for the weights of `layers` (names of
   the graph's model layers): annotations that keep those layers whole on
@@ -239,7 +235,7 @@ def replicated_annotations(graph_def, layers, analysis=None):
     for node in by_name[name].variables:
       var = var_of.get(node)
       if var is not None and var.shape:   # scalars are never split
-        out[_glob_escape(var.name)] = (None,) * len(var.shape)
+        out[exact_pattern(var.name)] = (None,) * len(var.shape)
   return out
 
 

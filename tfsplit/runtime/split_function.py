@@ -19,7 +19,7 @@ from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
 from tfsplit.graph.ir import without_gc
 from tfsplit.passes import split_graph
-from tfsplit.passes.config import SplitConfig
+from tfsplit.passes.config import SplitConfig, exact_pattern
 from tfsplit.runtime import checkpoint as checkpoint_lib
 from tfsplit.runtime import runners as runners_lib
 from tfsplit.runtime import shards as shards_lib
@@ -171,6 +171,13 @@ class SplitFunction(object):
     """{variable name: numpy value} assembled from the shards."""
     return self.runner.full_values()
 
+  def pinned_annotations(self):
+    """{exact variable pattern: dims} of every variable of this split whose
+    dims name only mesh axes: what another split over its shards keeps."""
+    axes = set(self.mesh.axes)
+    return {exact_pattern(name): tuple(e["sharding"]) for name, e in self.manifest.items()
+            if all(d is None or d in axes for d in e["sharding"])}
+
   def assign_back(self):
     """Writes the assembled values into the original function's variables."""
     for name, value in self.full_values().items():
@@ -220,6 +227,15 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
   runner = runners_lib.choose(mesh if config is None and plan is None else None, cluster)
   traced = Traced(fn, input_signature, variable_names, prepare)
   chosen = None
+  if shares_with is not None:
+    # Another step of the same model runs on the first one's shards: every
+    # variable they share split the way it is there, whatever this graph
+    # alone would choose (a forward step whose first layer feeds nothing).
+    pinned = shares_with.pinned_annotations()
+    if config is not None:
+      config = config.replace(annotations={**pinned, **config.annotations})
+    elif plan is None:
+      options["annotations"] = {**pinned, **dict(options.get("annotations") or {})}
   if plan is not None:
     from tfsplit import plan as plan_lib  # pylint: disable=import-outside-toplevel
     chosen = plan_lib.resolve(plan, traced.graph_def, devices, device_memory, hardware,
