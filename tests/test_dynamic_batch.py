@@ -102,3 +102,25 @@ def test_cli_binds_the_batch_and_verify_runs_the_original_at_it(tmp_path, capsys
                          "--steps", "2"], capture_output=True, text=True, timeout=300,
                         env=env, check=False)
   assert done.returncode == 0 and "OK:" in done.stdout, done.stdout + done.stderr[-2000:]
+
+
+def test_another_unknown_dimension_is_one_line_naming_the_input(caplog):
+  """A sequence traced as None: one line, before any rule sees the shape
+  (the rules used to log an internal error per op)."""
+  emb = tf.Variable(tf.random.normal([50, 16]), name="emb")
+  w = tf.Variable(tf.random.normal([16, 32]), name="fc/kernel")
+
+  @tf.function
+  def step(x):
+    with tf.GradientTape() as tape:
+      loss = tf.reduce_mean(tf.einsum("bsh,hf->bsf", tf.gather(emb, x), w) ** 2)
+    grads = tape.gradient(loss, [emb, w])
+    emb.assign_sub(tf.convert_to_tensor(grads[0]) * 0.1)
+    w.assign_sub(grads[1] * 0.1)
+    return loss
+
+  with caplog.at_level(logging.ERROR):
+    with pytest.raises(PlanError, match=r"input 'x' has shape \[8, None\]: dimension 1 is "
+                       r"unknown.*fixed shapes"):
+      tfsplit.split(step, mesh="tp=2", input_signature=[tf.TensorSpec([8, None], tf.int32)])
+  assert not [r for r in caplog.records if r.levelno >= logging.ERROR]

@@ -28,6 +28,21 @@ def graph_outputs(graph):
       if not graph.consumers(n.name) and n.op != "NoOp" and not constants.is_write_op(n.op)]
 
 
+def unknown_input_dims(graph):
+  """Inputs with an unknown dimension: [(name, shape)], the shape a list
+  with None where unknown, or None for an unknown rank."""
+  out = []
+  for name in graph_inputs(graph):
+    shape = graph.node(name).attr["shape"].shape
+    if shape.unknown_rank:
+      out.append((name, None))
+      continue
+    dims = [d.size if d.size >= 0 else None for d in shape.dim]
+    if None in dims:
+      out.append((name, dims))
+  return out
+
+
 def unbound_batch_inputs(graph):
   """Inputs whose leading (batch) dimension is unknown: [(name, shape)],
   the shape a list with None where unknown (a rank-0 or unknown-rank input

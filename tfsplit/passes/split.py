@@ -73,7 +73,8 @@ from tfsplit.pipeline import microbatches as microbatch_lib
 from tfsplit.pipeline import partition as partition_lib
 from tfsplit.pipeline import schedules as schedules_lib
 from tfsplit.graph.endpoints import bind_batch as bind_batch_sizes
-from tfsplit.graph.endpoints import graph_inputs, graph_outputs, unbound_batch_inputs
+from tfsplit.graph.endpoints import (graph_inputs, graph_outputs, unbound_batch_inputs,
+                                     unknown_input_dims)
 from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding import materialize as materialize_lib
@@ -117,19 +118,26 @@ class SplitState:
 def bind_batch(state):
   """Inputs traced with an unknown batch dimension take config.batch_size
   examples (graph/endpoints.py); without it, one line says how to bind it,
-  since every split rule needs static sizes."""
+  since every split rule needs static sizes. Any other unknown input
+  dimension is one line too."""
   analysis = state.analysis
   unbound = unbound_batch_inputs(analysis.graph)
-  if not unbound:
-    return
-  if state.config.batch_size is None:
+  if unbound and state.config.batch_size is None:
     name, shape = unbound[0]
     more = f" (and {len(unbound) - 1} more)" if len(unbound) > 1 else ""
     raise PlanError(
         f"input '{name}'{more} has shape {shape}: its batch dimension is unknown and a "
         "split needs static sizes; bind the global batch with batch_size=N (--batch N), "
         "or trace the step with a fixed batch (tf.TensorSpec([BATCH, ...]))")
-  analysis.replace(bind_batch_sizes(analysis.graph_def, state.config.batch_size))
+  if unbound:
+    analysis.replace(bind_batch_sizes(analysis.graph_def, state.config.batch_size))
+  for name, shape in unknown_input_dims(analysis.graph):
+    where = "its rank is unknown" if shape is None else \
+        f"dimension {shape.index(None)} is unknown"
+    raise PlanError(
+        f"input '{name}' has shape {shape if shape is not None else '<unknown>'}: {where} "
+        "and a split needs static sizes (each rule divides them); trace the step with "
+        "fixed shapes, e.g. tf.TensorSpec([BATCH, SEQUENCE], ...)")
 
 
 def fold_shapes(state):
