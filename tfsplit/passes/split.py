@@ -153,11 +153,6 @@ def fold_shapes(state):
     # A rewritten All / Any keeps its name, shape and dtype.
     analysis.replace(counted_def, known_shapes={n.name: shapes[n.name] for n in counted_def.node
                                                 if n.name in shapes})
-  if not analysis.variables:
-    raise PlanError("the graph has no variables (no VarHandleOp, no captured resource "
-                    "placeholder): there is nothing to split or train; give the training "
-                    "step's graph (tf.io.write_graph(fn.get_concrete_function(...).graph"
-                    ".as_graph_def(), ...)), not a frozen or variable-free one")
   for var in analysis.variables:
     if var.shape is None:
       raise PlanError(f"variable '{var.name}' (node '{var.node}') has no known shape; "
@@ -381,6 +376,11 @@ def run_passes(graph_def, config):
   """SplitResult of running PASSES over `graph_def` under `config`."""
   state = SplitState(config, config.split_mesh(),
                      Analysis(graph_def))
+  if not state.analysis.variables:   # inspect may still list a stateless graph's fallbacks
+    raise PlanError("the graph has no variables (no VarHandleOp, no captured resource "
+                    "placeholder): there is nothing to split or train; give the training "
+                    "step's graph (tf.io.write_graph(fn.get_concrete_function(...).graph"
+                    ".as_graph_def(), ...)), not a frozen or variable-free one")
   for pass_fn in PASSES:
     pass_fn(state)
   out, prop = state.materialized, state.propagation
