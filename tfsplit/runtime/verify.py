@@ -92,19 +92,20 @@ def check_pair(original, rewritten, manifest, names=("the original", "the rewrit
                          "rewrite wrote beside it (--manifest)")
 
 
-def _bound_like(original, rewritten):
-  """`original` with an unknown batch dimension bound to the batch the
-  rewritten graph was split for (rewrite --batch), so both run one batch."""
+def _bound_batch(original_graph, rewritten):
+  """The original (`original_graph`, its Graph) with an unknown batch
+  dimension bound to the batch the rewritten graph was split for (rewrite
+  --batch), so both run one batch; None when nothing is to bind."""
   from tfsplit.graph.endpoints import bind_batch, graph_inputs, unbound_batch_inputs  # pylint: disable=import-outside-toplevel
-  unbound = unbound_batch_inputs(Graph(original))
+  unbound = unbound_batch_inputs(original_graph)
   if not unbound:
-    return original
+    return None
   split = Graph(rewritten)
   shapes = {name: split.node(name).attr["shape"].shape for name in graph_inputs(split)}
   name = unbound[0][0]
   if name not in shapes or not shapes[name].dim or shapes[name].dim[0].size < 0:
-    return original   # seeded_inputs names the input that needs a static shape
-  return bind_batch(original, shapes[name].dim[0].size)
+    return None   # seeded_inputs names the input that needs a static shape
+  return bind_batch(original_graph.graph_def, shapes[name].dim[0].size)
 
 
 def _run(graph_def, variables, inputs, steps, outputs=None):
@@ -209,8 +210,10 @@ def verify(original, rewritten, manifest=None, steps=1, seed=0,
       manifest_arg = dict(manifest, gradient_reduce=None)
     manifest = manifest["variables"]
   check_pair(original, rewritten, manifest, names)
-  original = _bound_like(original, rewritten)
   original_graph = Graph(original)
+  bound = _bound_batch(original_graph, rewritten)
+  if bound is not None:
+    original, original_graph = bound, Graph(bound)
   values = seeded_variable_values(original_graph, seed)
   if manifest is not None and set(manifest) != set(values):
     missing, extra = sorted(set(values) - set(manifest)), sorted(set(manifest) - set(values))
