@@ -40,3 +40,10 @@ def verify(*args, **kwargs):
   tfsplit.runtime.verify.verify."""
   from tfsplit.runtime.verify import verify as _verify  # pylint: disable=import-outside-toplevel
   return _verify(*args, **kwargs)
+
+
+def deferred_init():
+  """A scope whose variables hold no memory until a split makes their
+  shards; see tfsplit.runtime.deferred."""
+  from tfsplit.runtime.deferred import deferred_init as _deferred_init  # pylint: disable=import-outside-toplevel
+  return _deferred_init()

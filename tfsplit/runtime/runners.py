@@ -18,8 +18,10 @@
 
 Every runner places a mesh, sets what its way of running means for the
 split's config (a task's index, a timeout on collectives), creates its
-shards from `shard_source(manifest)` ({shard name: value} for the shards it
-holds) or shares another runner's, runs and traces a step, reads and writes
+shards from `shard_source(manifest)` ({shard name: value} chunks, one
+variable's shards each, for the shards it holds: taken one at a time, so a
+process never holds more than one variable beyond its shards) or shares
+another runner's, runs and traces a step, reads and writes
 shards, assembles full values and saves checkpoints. What a runner cannot do
 is its own one-line refusal: a task holds no full values. tfsplit.split's
 SplitFunction delegates all of it and never asks which runner it has.
@@ -91,7 +93,7 @@ class Runner(object):
 
   def start(self, original_graph_def, result, shard_source, shares_with=None):
     """Creates and initialises the shards this runner holds from
-    shard_source(manifest) ({shard name: value}), or uses those of
+    shard_source(manifest) ({shard name: value} chunks), or uses those of
     `shares_with` (another runner of a split of the same model), and makes
     the step runnable."""
     raise NotImplementedError

@@ -52,21 +52,24 @@ class SessionRunner(object):
     self.graph = tf.Graph()
     with self.graph.as_default():
       tf.graph_util.import_graph_def(self.graph_def, name="")
-      inits, self._placeholders = [], {}
+      self._placeholders, self._assigns = {}, {}
       for info in find_variables(graph):
-        if values is not None and info.name not in values:
+        if isinstance(values, dict) and info.name not in values:
           raise TfsplitError(f"no value for variable '{info.name}'")
         handle = self.graph.get_tensor_by_name(info.node + ":0")
         with tf.device(handle.device):
           value = tf.compat.v1.placeholder(tf.as_dtype(info.dtype), info.shape)
-          inits.append(tf.raw_ops.AssignVariableOp(resource=handle, value=value))
+          self._assigns[info.name] = tf.raw_ops.AssignVariableOp(resource=handle,
+                                                                 value=value)
         self._placeholders[info.name] = value
-      self._init = tf.group(*inits)
+      self._init = tf.group(*self._assigns.values())
     if config is None:
       config = session_config(graph_def, num_cpus)
     self.session = tf.compat.v1.Session(target, graph=self.graph, config=config)
-    if values is not None:  # None: the variables live in the servers already
+    if isinstance(values, dict):
       self.assign(values)
+    elif values is not None:  # None: the variables live in the servers already
+      self.assign_stream(values)
 
   def assign(self, values):
     """Sets every variable (by recorded name) to values[name], in one run."""
@@ -75,6 +78,19 @@ class SessionRunner(object):
       raise TfsplitError(f"no value for variable '{missing[0]}'")
     self.session.run(self._init, feed_dict={p: values[n]
                                             for n, p in self._placeholders.items()})
+
+  def assign_stream(self, chunks):
+    """Sets every variable from an iterable of {name: value} chunks (one
+    variable's shards each), one run per chunk, so no more than one chunk's
+    values exist at once; every variable must be set."""
+    done = set()
+    for chunk in chunks:
+      self.session.run([self._assigns[n] for n in chunk],
+                       feed_dict={self._placeholders[n]: v for n, v in chunk.items()})
+      done.update(chunk)
+    missing = sorted(set(self._placeholders) - done)
+    if missing:
+      raise TfsplitError(f"no value for variable '{missing[0]}'")
 
   def _tensor(self, name):
     return self.graph.get_tensor_by_name(name if ":" in name else name + ":0")

@@ -70,24 +70,31 @@ def create_shard_variables(manifest, full_values_by_name):
   return create_variables(manifest, shard_values(manifest, full_values_by_name))
 
 
+def chunks_of(values):
+  """`values` as a sequence of {shard name: value} chunks: a dict is one
+  chunk; an iterable (a stream, one variable at a time) is as given."""
+  return [values] if isinstance(values, dict) else values
+
+
 @without_gc
 def create_variables(manifest, values):
   """{shard name: tf.Variable on its device} initialised from `values`
-  ({shard name: value}, every shard of `manifest`)."""
-  by_device = {}
-  for entry in manifest.values():
-    for shard in entry["shards"]:
-      by_device.setdefault(shard["device"], []).append(shard["name"])
+  ({shard name: value} for every shard of `manifest`, or an iterable of
+  such chunks, each made into variables before the next is taken)."""
+  device_of = {s["name"]: s["device"] for e in manifest.values() for s in e["shards"]}
   made = {}
   # One name for all: an eager variable's name is its VarHandleOp's debug_name
   # attr, part of TF's kernel cache key, so a name per shard would build a
   # kernel per shard (0.4 ms each, most of a first split's variable time).
   # The shards are told apart by their key in the dict returned.
-  for device, names in by_device.items():
-    with tf.device(device):
-      for name in names:
-        made[name] = tf.Variable(values[name], name=_SHARD_VARIABLE_NAME)
-  return {name: made[name] for name in values}
+  for chunk in chunks_of(values):
+    for name, value in chunk.items():
+      with tf.device(device_of[name]):
+        made[name] = tf.Variable(value, name=_SHARD_VARIABLE_NAME)
+  missing = sorted(set(device_of) - set(made))
+  if missing:
+    raise TfsplitError(f"no value for shard '{missing[0]}'")
+  return {name: made[name] for name in device_of}
 
 
 def check_same_layout(manifest, other):

@@ -14,6 +14,8 @@ step runs with one Grappler round (see graph_function.grappler_config): a
 pipelined one keeps its schedule's order so, and any split step starts
 sooner.
 """
+import contextlib
+
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
@@ -21,6 +23,7 @@ from tfsplit.graph.ir import without_gc
 from tfsplit.passes import split_graph
 from tfsplit.passes.config import SplitConfig, exact_pattern
 from tfsplit.runtime import checkpoint as checkpoint_lib
+from tfsplit.runtime import deferred as deferred_lib
 from tfsplit.runtime import runners as runners_lib
 from tfsplit.runtime import shards as shards_lib
 # The one placement of a mesh, named here too (tfsplit.runtime.split_function.make_mesh).
@@ -71,7 +74,12 @@ class Traced(object):
   captures by recorded name, and the structure of its outputs."""
 
   def __init__(self, fn, input_signature=None, variable_names=None, prepare=None):
-    concrete = _concrete(fn, input_signature)
+    # Over a model made under deferred_init(), the variables the step makes
+    # while it is traced (optimizer slots) hold no memory either.
+    scope = deferred_lib.deferred_init() if deferred_lib.any_made() else \
+        contextlib.nullcontext()
+    with scope:
+      concrete = _concrete(fn, input_signature)
     self.graph_def = load_graph(concrete, variable_names=variable_names)
     if prepare is not None:
       self.graph_def = prepare(self.graph_def)
@@ -89,8 +97,9 @@ class SplitFunction(object):
   # The split makes millions of small objects and no cycles: the GC's full
   # collections over them would only add pauses (0.1 s a split, median).
   @without_gc
-  def __init__(self, traced, config, runner, shares_with=None, plan=None):
+  def __init__(self, traced, config, runner, shares_with=None, plan=None, release=False):
     self.plan = plan                  # the Plan that chose the config, if any
+    self.release = release
     self.runner = runner
     self.original_graph_def = traced.graph_def
     self.original_variables = traced.variables
@@ -103,13 +112,17 @@ class SplitFunction(object):
     runner.start(traced.graph_def, self.result, self._initial_shards,
                  shares_with.runner if shares_with is not None else None)
 
-  def _initial_shards(self, manifest):
-    """{shard name: value} of `manifest`'s shards from the original
-    variables' current values."""
+  def _initial_shards(self, manifest, release=None):
+    """{shard name: value} chunks of `manifest`'s shards, one variable at a
+    time (runtime/deferred.stream): from a deferred variable's initializer,
+    or an original variable's current value (emptied after, on release)."""
     held = {name: entry for name, entry in manifest.items() if entry["shards"]}
-    return shards_lib.shard_values(held, {
-        name: self.original_variables[name].numpy() for name in held
-        if name in self.original_variables})   # a missing one: one line there
+    missing = sorted(set(held) - set(self.original_variables))
+    if missing:
+      raise PlanError(f"no value for variable '{missing[0]}'; give every variable the "
+                      "graph uses")
+    return deferred_lib.stream(held, self.original_variables,
+                               self.release if release is None else release)
 
   config = property(lambda self: self.result.config, doc="The SplitConfig of the split.")
   mesh = property(lambda self: self.result.config.mesh, doc="The mesh, on its devices.")
@@ -179,19 +192,32 @@ class SplitFunction(object):
             if all(d is None or d in axes for d in e["sharding"])}
 
   def assign_back(self):
-    """Writes the assembled values into the original function's variables."""
+    """Writes the assembled values into the original function's variables.
+    A variable made under deferred_init() would make the model whole in
+    this process: refused in one line (save() the split instead)."""
+    deferred = [n for n in self.manifest
+                if deferred_lib.record_of(self.original_variables.get(n)) is not None]
+    if deferred:
+      raise PlanError(
+          f"assign_back would make the model whole in this process: variable "
+          f"'{deferred[0]}' (and {len(deferred) - 1} more) was made under "
+          "tfsplit.deferred_init(); keep training the split, and save() it to keep its "
+          "values")
     for name, value in self.full_values().items():
       self.original_variables[name].assign(value)
 
   def assign_from_originals(self):
     """The inverse of assign_back: every shard from the current value of the
     original function's variable (after the user changed them)."""
-    self.assign_shards(self._initial_shards(self.runner.manifest))
+    values = {}
+    for chunk in self._initial_shards(self.runner.manifest, release=False):
+      values.update(chunk)
+    self.assign_shards(values)
 
 
 def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, plan=None,
           devices=None, device_memory=None, hardware=None, memory_reserve=None,
-          variable_names=None, prepare=None, shares_with=None, **options):
+          variable_names=None, prepare=None, shares_with=None, release=False, **options):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...,
@@ -221,6 +247,10 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
     before it is split (tfsplit.keras drops the Keras metric updates so).
   shares_with: another SplitFunction of the same model (another input shape,
     an evaluation step): this one runs on its shards.
+  release: empty each of the function's variables once its shards hold its
+    value, so the process never holds the model twice (assign_back fills
+    them again). A model made under tfsplit.deferred_init() holds nothing
+    to release: each shard is made from its variable's initializer.
   """
   if config is not None and (options or plan is not None):
     raise TypeError("give split() either config= or mesh, plan and options, not both")
@@ -246,4 +276,4 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
     config = chosen.apply(SplitConfig(runner.place(chosen.mesh), **options))
   elif config is None:
     config = SplitConfig(runner.place(mesh), **options)
-  return SplitFunction(traced, config, runner, shares_with, chosen)
+  return SplitFunction(traced, config, runner, shares_with, chosen, release)

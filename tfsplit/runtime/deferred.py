@@ -1,0 +1,267 @@
+"""Variables that hold no memory until a split creates their shards.
+
+    with tfsplit.deferred_init():
+      model = build_model()                # Keras 3, tf_keras or tf.Variables
+      optimizer.build(model.trainable_variables)
+    step = tfsplit.split(train_step, mesh="tp=4", input_signature=[...])
+
+Inside the scope every variable whose initial value is a function
+(initializer) of a known shape, or a large constant, is a DeferredVariable:
+an UninitializedVariable (no memory; shape, dtype and name kept) that traces
+into a tf.function like any variable, carrying a Record of how to make its
+value. A split then makes each shard on its device from the record, one
+variable at a time (`stream`): a constant fill per shard, anything else from
+the initializer's full value (the transient: one variable, never the
+model), sliced. The values equal what the same code outside the scope gives
+under the same seed: initializers run in the order the variables were made,
+and an initializer whose result may depend on that order (a stateful random
+op, an unknown function) is run, and dropped, for every variable made before
+a needed one that has not run yet.
+
+Keras 3 computes a variable's initial value inside its own Variable class;
+inside the scope that class makes a DeferredVariable instead (restored on
+leaving). Reading a deferred variable's value outside a traced function is
+one line naming the variable and what to do.
+"""
+import contextlib
+import itertools
+import threading
+import weakref
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.eager import context
+from tensorflow.python.ops import gen_resource_variable_ops
+from tensorflow.python.ops import resource_variable_ops
+
+from tfsplit.errors import TfsplitError
+
+# A constant below this many bytes (a step counter, a scalar) is made a
+# real variable: deferring it saves nothing.
+_SMALL_BYTES = 1 << 16
+
+
+class DeferredValueError(TfsplitError):
+  """A variable made under deferred_init() was read outside a split."""
+
+
+class Record(object):
+  """How to make one deferred variable's value.
+
+  make: () -> its full value; fill: the scalar every element holds, when
+  known (each shard is made without the full value); ordered: the value may
+  depend on when `make` runs relative to the other variables' (a stateful
+  random op), so they run in creation order."""
+
+  def __init__(self, seq, make=None, fill=None, ordered=True):
+    self.seq, self.make, self.fill, self.ordered = seq, make, fill, ordered
+    self.drawn = False
+
+
+class DeferredVariable(resource_variable_ops.UninitializedVariable):
+  """An UninitializedVariable with the record of its initial value."""
+
+  def __init__(self, record, **kwargs):
+    super().__init__(**kwargs)
+    self.tfsplit_record = record
+
+  def _check_value(self):
+    if context.executing_eagerly() and not self.is_initialized():
+      raise DeferredValueError(
+          f"variable '{self.name.split(':')[0]}' was made under tfsplit.deferred_init() "
+          "and holds no value in this process: split a step over it (tfsplit.split or "
+          "tfsplit.keras.split), whose shards hold its values, or build the model "
+          "outside deferred_init() to use it whole here")
+
+  def _read_variable_op(self, no_copy=False):
+    self._check_value()
+    return super()._read_variable_op(no_copy=no_copy)
+
+  def sparse_read(self, indices, name=None):
+    self._check_value()
+    return super().sparse_read(indices, name=name)
+
+  def gather_nd(self, indices, name=None):
+    self._check_value()
+    return super().gather_nd(indices, name=name)
+
+
+_STATE = threading.local()
+_SEQ = itertools.count()
+_MADE = []   # weak references to every DeferredVariable, in creation order
+
+
+def _depth():
+  return getattr(_STATE, "depth", 0)
+
+
+def active():
+  """True inside deferred_init()."""
+  return _depth() > 0
+
+
+def any_made():
+  """True once a deferred variable made in this process still exists."""
+  return any(ref() is not None for ref in _MADE)
+
+
+def record_of(variable):
+  """The Record of a deferred variable, or None for a variable with memory."""
+  return getattr(variable, "tfsplit_record", None)
+
+
+def _make(shape, dtype, name, record, trainable=True, **kwargs):
+  variable = DeferredVariable(record, shape=shape, dtype=dtype, name=name,
+                              trainable=trainable, **kwargs)
+  _MADE.append(weakref.ref(variable))
+  return variable
+
+
+def _constant_fill(value):
+  """The scalar every element of numpy `value` equals, or None."""
+  flat = value.reshape(-1)
+  if flat.size == 0 or not np.all(flat == flat[0]):
+    return None
+  return flat[0]
+
+
+def _creator(next_creator, **kwargs):
+  """tf.Variable creator of the scope (see the module doc)."""
+  initial = kwargs.get("initial_value")
+  shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
+  passed = {k: kwargs[k] for k in ("trainable", "constraint", "synchronization",
+                                   "aggregation", "caching_device") if k in kwargs}
+  name = kwargs.get("name")
+  if callable(initial) and shape is not None and tf.TensorShape(shape).is_fully_defined() \
+      and dtype is not None:
+    return _make(tf.TensorShape(shape), tf.as_dtype(dtype), name,
+                 Record(next(_SEQ), make=initial), **passed)
+  if callable(initial) or initial is None:
+    return next_creator(**kwargs)
+  value = initial
+  if isinstance(value, tf.Tensor) and hasattr(value, "numpy"):
+    value = value.numpy()
+  elif not isinstance(value, np.ndarray):
+    return next_creator(**kwargs)
+  if value.nbytes < _SMALL_BYTES:
+    return next_creator(**kwargs)
+  fill = _constant_fill(value)
+  if fill is None:
+    return next_creator(**kwargs)
+  dtype = tf.as_dtype(dtype) if dtype is not None else tf.as_dtype(value.dtype)
+  return _make(tf.TensorShape(value.shape), dtype, name,
+               Record(next(_SEQ), fill=fill, ordered=False), **passed)
+
+
+def _keras_record(initializer, shape, dtype):
+  """The Record of a Keras 3 variable from its initializer: a fill for
+  Zeros / Ones / a scalar Constant; an order-free make for a random
+  initializer with an integer seed (Keras draws it statelessly)."""
+  from keras import initializers  # pylint: disable=import-outside-toplevel
+  make = lambda: initializer(shape, dtype=dtype)  # pylint: disable=unnecessary-lambda-assignment
+  if isinstance(initializer, initializers.Zeros):
+    return Record(next(_SEQ), fill=0, ordered=False)
+  if isinstance(initializer, initializers.Ones):
+    return Record(next(_SEQ), fill=1, ordered=False)
+  if isinstance(initializer, initializers.Constant) and \
+      np.ndim(getattr(initializer, "value", None)) == 0:
+    return Record(next(_SEQ), fill=initializer.value, ordered=False)
+  seeded = isinstance(getattr(initializer, "seed", None), int)
+  return Record(next(_SEQ), make=make, ordered=not seeded)
+
+
+def _keras_variable_class():
+  """Keras 3's TensorFlow Variable class, when Keras 3 runs on TensorFlow."""
+  try:
+    import keras  # pylint: disable=import-outside-toplevel
+    if not keras.__version__.startswith("3") or keras.backend.backend() != "tensorflow":
+      return None
+    from keras.src.backend.tensorflow import core  # pylint: disable=import-outside-toplevel
+    return core.Variable
+  except ImportError:
+    return None
+
+
+def _keras_initialize(self, initializer):
+  """Keras 3 Variable._initialize_with_initializer inside the scope."""
+  record = _keras_record(initializer, tuple(self._shape), self._dtype)  # pylint: disable=protected-access
+  self._initialize(_make(  # pylint: disable=protected-access
+      tf.TensorShape(self._shape), tf.as_dtype(self._dtype), self.name, record,  # pylint: disable=protected-access
+      trainable=self.trainable))
+
+
+@contextlib.contextmanager
+def deferred_init():
+  """Variables made inside hold no memory until a split makes their shards
+  (see the module doc)."""
+  keras_variable = _keras_variable_class() if _depth() == 0 else None
+  original = getattr(keras_variable, "_initialize_with_initializer", None)
+  _STATE.depth = _depth() + 1
+  try:
+    if keras_variable is not None:
+      keras_variable._initialize_with_initializer = _keras_initialize  # pylint: disable=protected-access
+    with tf.variable_creator_scope(_creator):
+      yield
+  finally:
+    _STATE.depth -= 1
+    if keras_variable is not None:
+      keras_variable._initialize_with_initializer = original  # pylint: disable=protected-access
+
+
+def _slices(shard):
+  return tuple(slice(o, o + s) for o, s in zip(shard["offsets"], shard["shape"]))
+
+
+def _value(variable, record):
+  """The full numpy value of a variable (made from its record when deferred)."""
+  if record is None:
+    return variable.numpy()
+  record.drawn = True
+  value = record.make()
+  return value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+
+
+def _draw_before(record):
+  """Runs (and drops) every ordered initializer made before `record` that
+  has not run yet, so `record`'s own runs where it would have."""
+  for ref in list(_MADE):
+    other = ref()
+    earlier = record_of(other) if other is not None else None
+    if earlier is None or earlier.seq >= record.seq:
+      continue
+    if earlier.ordered and not earlier.drawn and earlier.make is not None:
+      _value(other, earlier)
+
+
+def stream(manifest, variables, release=False):
+  """Yields {shard name: numpy value}, one variable of `manifest` at a time,
+  from `variables` ({name: tf.Variable}): a deferred variable's from its
+  record, any other's from its current value. With release=True, a
+  variable with memory is emptied once its chunk was taken (its shards
+  hold the values now); reading it again is an error, assigning fills it."""
+  def order(name):
+    record = record_of(variables[name])
+    return (0, record.seq) if record is not None else (1, 0)
+  for name in sorted(manifest, key=order):
+    entry, variable = manifest[name], variables[name]
+    record = record_of(variable)
+    if record is not None and record.fill is not None:
+      dtype = variable.dtype.as_numpy_dtype
+      yield {s["name"]: np.full(s["shape"], record.fill, dtype) for s in entry["shards"]}
+      continue
+    if record is not None and record.ordered:
+      _draw_before(record)
+    value = _value(variable, record)
+    if list(value.shape) != list(entry["shape"]):
+      raise TfsplitError(f"variable '{name}': value has shape {list(value.shape)}, the "
+                         f"graph expects {entry['shape']}")
+    chunk = {s["name"]: value[_slices(s)] for s in entry["shards"]}
+    del value
+    yield chunk
+    if release and record is None:
+      empty(variable)
+
+
+def empty(variable):
+  """Frees a variable's memory (its handle stays; assigning fills it again)."""
+  gen_resource_variable_ops.destroy_resource_op(variable.handle, ignore_lookup_error=True)
