@@ -5,6 +5,8 @@ share (compile, fit, compute_loss, compute_metrics, callbacks).
 """
 import tensorflow as tf
 
+from tfsplit.runtime import deferred as deferred_lib
+
 
 def _strip_port(name):
   return name[:-2] if name.endswith(":0") else name
@@ -31,7 +33,8 @@ class Keras3(object):
   @staticmethod
   def build_optimizer(model):
     if not model.optimizer.built:
-      model.optimizer.build(model.trainable_variables)
+      with deferred_lib.continuing():
+        model.optimizer.build(model.trainable_variables)
 
   @staticmethod
   def optimizer_variables(optimizer):
@@ -87,7 +90,8 @@ class TfKeras(object):
     # The slots must exist before the step is traced (build() returns at once
     # when they do); legacy optimizers create theirs in the trace.
     if hasattr(model.optimizer, "build") and not getattr(model.optimizer, "_built", False):
-      model.optimizer.build(model.trainable_variables)
+      with deferred_lib.continuing():
+        model.optimizer.build(model.trainable_variables)
 
   @staticmethod
   def optimizer_variables(optimizer):

@@ -105,9 +105,15 @@ class SplitModelMixin(object):
           state.pushed_scalars[name] = value
     state.weights_at = SHARDS if writing or state.weights_at == SHARDS else BOTH
 
-  def _use_model(self):
+  def _use_model(self, asked=True):
+    """The wrapped model's weights brought up to date: `asked` by the user
+    (get_weights, save), or automatically (an epoch's end, fit's return),
+    which a model made under tfsplit.deferred_init() skips: its weights
+    stay in the shards, never whole here (asked, assign_back refuses)."""
     state = self._tfsplit
     if state.weights_at == SHARDS:
+      if not asked and state.step.deferred:
+        return
       state.step.assign_back()
       state.weights_at = BOTH
 
@@ -404,7 +410,7 @@ class SplitModelMixin(object):
       return super().fit(*args, **kwargs)
     finally:
       if self._tfsplit.step is not None:
-        self._use_model()
+        self._use_model(asked=False)
 
   # evaluate, predict, test_on_batch and predict_on_batch go through the
   # test and predict functions above: split once a training step exists.
@@ -495,6 +501,6 @@ def _pull_at_epoch_end(split_model):
     def on_epoch_end(self, epoch, logs=None):
       del epoch, logs
       if split_model._tfsplit.step is not None:  # pylint: disable=protected-access
-        split_model._use_model()  # pylint: disable=protected-access
+        split_model._use_model(asked=False)  # pylint: disable=protected-access
 
   return PullWeights()

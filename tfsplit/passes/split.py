@@ -80,9 +80,9 @@ from tfsplit.sharding import zero as zero_lib
 from tfsplit.sharding import materialize as materialize_lib
 from tfsplit.layout.mesh import is_gpu
 from tfsplit.sharding.propagate import propagate
-from tfsplit.layout.spec import Sharding
+from tfsplit.layout.spec import Sharding, insert_constraints
 from tfsplit.strategies import experts as experts_lib
-from tfsplit.strategies.megatron import megatron_plan
+from tfsplit.strategies.megatron import embedding_constraints, megatron_plan
 from tfsplit.strategies import sequence_parallel as sequence_lib
 
 
@@ -180,7 +180,15 @@ def plan_variables(state):
   axis = config.split_axis(mesh)
   if config.strategy == "megatron" and axis is not None:
     state.plan.update(megatron_plan(analysis.graph, analysis.shapes, analysis.variables,
-                                    axis=axis, mesh=mesh, roles=analysis.roles))
+                                    axis=axis, mesh=mesh, roles=analysis.roles,
+                                    # A sequence-split LM head would gather a
+                                    # table split along its hidden dimension.
+                                    embeddings=not config.sequence_parallel))
+    gathers = embedding_constraints(analysis.graph, analysis.shapes, analysis.variables,
+                                    state.plan, axis)
+    if gathers:
+      analysis.replace(*insert_constraints(analysis.graph_def, analysis.graph,
+                                           analysis.shapes, gathers))
   if mesh.axes.get(constants.EXPERT_AXIS, 1) > 1:
     state.experts = experts_lib.find_expert_weights(analysis.graph, analysis.shapes,
                                                     analysis.variables, analysis.roles)

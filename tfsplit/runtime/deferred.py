@@ -31,7 +31,6 @@ import weakref
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.eager import context
-from tensorflow.python.ops import gen_resource_variable_ops
 from tensorflow.python.ops import resource_variable_ops
 
 from tfsplit.errors import TfsplitError
@@ -58,20 +57,16 @@ class Record(object):
     self.drawn = False
 
 
-class DeferredVariable(resource_variable_ops.UninitializedVariable):
-  """An UninitializedVariable with the record of its initial value."""
-
-  def __init__(self, record, **kwargs):
-    super().__init__(**kwargs)
-    self.tfsplit_record = record
+class _Guarded(object):
+  """Reads of a variable that holds no value here are one line (`_empty_why`
+  says why), outside a traced function; in one they trace as usual."""
 
   def _check_value(self):
-    if context.executing_eagerly() and not self.is_initialized():
-      raise DeferredValueError(
-          f"variable '{self.name.split(':')[0]}' was made under tfsplit.deferred_init() "
-          "and holds no value in this process: split a step over it (tfsplit.split or "
-          "tfsplit.keras.split), whose shards hold its values, or build the model "
-          "outside deferred_init() to use it whole here")
+    if not context.executing_eagerly():
+      return
+    why = self._empty_why()
+    if why:
+      raise DeferredValueError(f"variable '{self.name.split(':')[0]}' {why}")
 
   def _read_variable_op(self, no_copy=False):
     self._check_value()
@@ -84,6 +79,58 @@ class DeferredVariable(resource_variable_ops.UninitializedVariable):
   def gather_nd(self, indices, name=None):
     self._check_value()
     return super().gather_nd(indices, name=name)
+
+
+class DeferredVariable(_Guarded, resource_variable_ops.UninitializedVariable):
+  """An UninitializedVariable with the record of its initial value."""
+
+  def __init__(self, record, **kwargs):
+    super().__init__(**kwargs)
+    self.tfsplit_record = record
+
+  def _empty_why(self):
+    if self.is_initialized():
+      return None
+    return ("was made under tfsplit.deferred_init() and holds no value in this process: "
+            "split a step over it (tfsplit.split or tfsplit.keras.split), whose shards "
+            "hold its values, or build the model outside deferred_init() to use it "
+            "whole here")
+
+
+_RELEASED_CLASSES = {}
+
+
+def _released_class(cls):
+  if cls not in _RELEASED_CLASSES:
+    _RELEASED_CLASSES[cls] = type(f"Released{cls.__name__}", (_Guarded, cls), {
+        "_empty_why": lambda self: (
+            "was released to the shards of a split (split(release=True)) and holds no "
+            "value: use the split, or step.assign_back() to fill it again")})
+  return _RELEASED_CLASSES[cls]
+
+
+def empty(variable):
+  """Frees a variable's memory: it holds an empty tensor, and reading it
+  outside a traced function is one line, until `refill`."""
+  tf.raw_ops.AssignVariableOp(resource=variable.handle,
+                              value=tf.zeros([0], variable.dtype), validate_shape=False)
+  variable.tfsplit_class = type(variable)
+  variable.__class__ = _released_class(type(variable))
+
+
+def refill(variable, value):
+  """Assigns `value` to a variable, emptied by `empty` or not."""
+  original = getattr(variable, "tfsplit_class", None)
+  if original is None:
+    variable.assign(value)
+    return
+  variable.__class__ = original
+  del variable.tfsplit_class
+  value = tf.convert_to_tensor(value, variable.dtype)
+  if not variable.shape.is_compatible_with(value.shape):
+    raise TfsplitError(f"variable '{variable.name}': value of shape {value.shape}, the "
+                       f"variable's is {variable.shape}")
+  tf.raw_ops.AssignVariableOp(resource=variable.handle, value=value, validate_shape=False)
 
 
 _STATE = threading.local()
@@ -105,12 +152,21 @@ def any_made():
   return any(ref() is not None for ref in _MADE)
 
 
+def continuing():
+  """deferred_init() once this process made a deferred variable (the model
+  is deferred: what tfsplit makes for it, optimizer slots while a step is
+  traced or built, is deferred too), else a scope that does nothing."""
+  return deferred_init() if any_made() else contextlib.nullcontext()
+
+
 def record_of(variable):
   """The Record of a deferred variable, or None for a variable with memory."""
   return getattr(variable, "tfsplit_record", None)
 
 
 def _make(shape, dtype, name, record, trainable=True, **kwargs):
+  if len(_MADE) > 1024 and len(_MADE) & (len(_MADE) - 1) == 0:
+    _MADE[:] = [ref for ref in _MADE if ref() is not None]
   variable = DeferredVariable(record, shape=shape, dtype=dtype, name=name,
                               trainable=trainable, **kwargs)
   _MADE.append(weakref.ref(variable))
@@ -261,7 +317,3 @@ def stream(manifest, variables, release=False):
     if release and record is None:
       empty(variable)
 
-
-def empty(variable):
-  """Frees a variable's memory (its handle stays; assigning fills it again)."""
-  gen_resource_variable_ops.destroy_resource_op(variable.handle, ignore_lookup_error=True)

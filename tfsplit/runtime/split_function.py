@@ -14,8 +14,6 @@ step runs with one Grappler round (see graph_function.grappler_config): a
 pipelined one keeps its schedule's order so, and any split step starts
 sooner.
 """
-import contextlib
-
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
@@ -76,9 +74,7 @@ class Traced(object):
   def __init__(self, fn, input_signature=None, variable_names=None, prepare=None):
     # Over a model made under deferred_init(), the variables the step makes
     # while it is traced (optimizer slots) hold no memory either.
-    scope = deferred_lib.deferred_init() if deferred_lib.any_made() else \
-        contextlib.nullcontext()
-    with scope:
+    with deferred_lib.continuing():
       concrete = _concrete(fn, input_signature)
     self.graph_def = load_graph(concrete, variable_names=variable_names)
     if prepare is not None:
@@ -191,12 +187,18 @@ class SplitFunction(object):
     return {exact_pattern(name): tuple(e["sharding"]) for name, e in self.manifest.items()
             if all(d is None or d in axes for d in e["sharding"])}
 
+  @property
+  def deferred(self):
+    """The names of the split's variables made under deferred_init(): their
+    originals hold no values (and assign_back would make them whole)."""
+    return [n for n in self.manifest
+            if deferred_lib.record_of(self.original_variables.get(n)) is not None]
+
   def assign_back(self):
     """Writes the assembled values into the original function's variables.
     A variable made under deferred_init() would make the model whole in
     this process: refused in one line (save() the split instead)."""
-    deferred = [n for n in self.manifest
-                if deferred_lib.record_of(self.original_variables.get(n)) is not None]
+    deferred = self.deferred
     if deferred:
       raise PlanError(
           f"assign_back would make the model whole in this process: variable "
@@ -204,7 +206,7 @@ class SplitFunction(object):
           "tfsplit.deferred_init(); keep training the split, and save() it to keep its "
           "values")
     for name, value in self.full_values().items():
-      self.original_variables[name].assign(value)
+      deferred_lib.refill(self.original_variables[name], value)
 
   def assign_from_originals(self):
     """The inverse of assign_back: every shard from the current value of the

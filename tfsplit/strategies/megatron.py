@@ -17,7 +17,9 @@ from absl import logging
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
+from tfsplit.graph.fold import const_value
 from tfsplit.graph.ir import Graph, parse_input
+from tfsplit.layout.spec import Constraint
 from tfsplit.rules.matmul import _einsum_letters
 from tfsplit.rules.shape import _groups
 
@@ -178,8 +180,10 @@ def _only_read_by(graph, source, targets, roles):
   return True
 
 
-def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=None, roles=None):
-  """{variable handle node: dims tuple} for the megatron preset."""
+def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=None, roles=None,
+                  embeddings=True):
+  """{variable handle node: dims tuple} for the megatron preset; with
+  `embeddings`, embedding tables too (embedding_tables)."""
   if not isinstance(graph, Graph):
     graph = Graph(graph)
   contractions, kind = pair_contractions(graph, shapes, variables, roles)
@@ -219,4 +223,63 @@ def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=Non
     plan[var.node] = tuple(dims_spec)
     logging.info("megatron: %s '%s' (%s) splits variable '%s' dim %d", kind[name],
                  name, node.op, var.name, var_dim)
+  for var, _ in embedding_tables(graph, variables) if embeddings else ():
+    if var.node not in plan and (n is None or var.shape[1] % n == 0):
+      plan[var.node] = (None, axis)
+      logging.info("megatron: embedding table '%s' split along its hidden dimension",
+                   var.name)
   return plan
+
+
+def embedding_tables(graph, variables):
+  """[(variable, [gather node])] of the trainable [vocabulary, hidden]
+  variables whose rows are gathered (ResourceGather of the handle, or
+  GatherV2 along axis 0 of a read). Split along the hidden dimension, each
+  device gathers its columns of every row, so the table (and a tied LM head
+  reading it) is never held whole by every device; the vocabulary dimension
+  a gather cannot split (rules/variables.py)."""
+  tables = []
+  for var in variables:
+    if var.trainable is False or var.shape is None or len(var.shape) != 2 or \
+        None in var.shape:
+      continue
+    stack, seen, gathers = [var.node], set(), []
+    while stack:
+      name = stack.pop()
+      for consumer, index in graph.consumers(name, port=0):
+        node = graph.node(consumer)
+        if consumer in seen or index != 0:
+          continue
+        seen.add(consumer)
+        if node.op in ("Identity", "ReadVariableOp"):
+          stack.append(consumer)
+        elif (node.op == "ResourceGather" and node.attr["batch_dims"].i == 0) or (
+            node.op == "GatherV2" and _is_axis_zero(graph, node)):
+          gathers.append(consumer)
+    if gathers:
+      tables.append((var, gathers))
+  return tables
+
+
+def embedding_constraints(graph, shapes, variables, plan, axis):
+  """Sharding constraints that make each gather of an embedding table the
+  plan splits along its hidden dimension (embedding_tables) whole again
+  right away (one all-gather of the looked-up rows), so the residual stream
+  after it is replicated as the rest of the preset expects."""
+  found = []
+  for var, gathers in embedding_tables(graph, variables):
+    if plan.get(var.node) != (None, axis):
+      continue
+    for name in gathers:
+      info = shapes.tensor(name, 0)
+      if info is not None and info.shape is not None:
+        found.append(Constraint(f"{name}/embedding_gather", (name, 0),
+                                (None,) * len(info.shape)))
+  return found
+
+
+def _is_axis_zero(graph, node):
+  axis = graph.node(parse_input(node.input[2])[0]) if len(node.input) > 2 else None
+  if axis is None or axis.op != "Const" or node.attr["batch_dims"].i != 0:
+    return False
+  return int(const_value(axis)) == 0
