@@ -114,9 +114,21 @@ class Runner(object):
     """{shard name: numpy value} of every shard this runner holds."""
     raise NotImplementedError
 
+  def read_shards(self, names):
+    """{shard name: numpy value} of the shards named."""
+    values = self.shard_values()
+    return {n: values[n] for n in names}
+
+  def iter_full_values(self):
+    """(variable name, numpy value) assembled from its shards, one variable
+    at a time: no more than one full value exists at once."""
+    for name, entry in self.manifest.items():
+      values = self.read_shards([s["name"] for s in entry["shards"]])
+      yield name, shards_lib.full_values({name: entry}, values)[name]
+
   def full_values(self):
     """{variable name: numpy value} assembled from the shards."""
-    return shards_lib.full_values(self.manifest, self.shard_values())
+    return dict(self.iter_full_values())
 
   def save(self, directory, step, keep):
     """Checkpoints the shards into DIR/ckpt-<step>; returns its path."""
@@ -156,6 +168,9 @@ class LocalRunner(Runner):
 
   def shard_values(self):
     return {k: v.numpy() for k, v in self.variables.items()}
+
+  def read_shards(self, names):
+    return {n: self.variables[n].numpy() for n in names}
 
 
 class ClientRunner(Runner):
@@ -228,6 +243,9 @@ class ClientRunner(Runner):
     return self.session.variable_values(
         [s["name"] for e in self.manifest.values() for s in e["shards"]])
 
+  def read_shards(self, names):
+    return self.session.variable_values(names)
+
 
 class TaskRunner(ClientRunner):
   """This process's task of a cluster: its part of the split, its shards."""
@@ -265,7 +283,7 @@ class TaskRunner(ClientRunner):
     return multi_client.TaskRunner(graph_def, values, self.cluster, config.timeout_seconds,
                                    multi_client.plan_fingerprint(original_graph_def, config))
 
-  def full_values(self):
+  def iter_full_values(self):
     raise PlanError("each worker holds only its task's shards (shard_values()); the "
                     "full values are the checkpoint's (save(), then "
                     "tfsplit.runtime.shards.full_values_from_checkpoint)")

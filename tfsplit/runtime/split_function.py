@@ -177,8 +177,14 @@ class SplitFunction(object):
     return self.runner.shard_values()
 
   def full_values(self):
-    """{variable name: numpy value} assembled from the shards."""
+    """{variable name: numpy value} assembled from the shards (the whole
+    model in this process: iter_full_values() gives one at a time)."""
     return self.runner.full_values()
+
+  def iter_full_values(self):
+    """(variable name, numpy value) assembled from its shards, one variable
+    at a time."""
+    return self.runner.iter_full_values()
 
   def pinned_annotations(self):
     """{exact variable pattern: dims} of every variable of this split whose
@@ -205,7 +211,7 @@ class SplitFunction(object):
           f"'{deferred[0]}' (and {len(deferred) - 1} more) was made under "
           "tfsplit.deferred_init(); keep training the split, and save() it to keep its "
           "values")
-    for name, value in self.full_values().items():
+    for name, value in self.runner.iter_full_values():
       deferred_lib.refill(self.original_variables[name], value)
 
   def assign_from_originals(self):
