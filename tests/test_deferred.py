@@ -123,6 +123,23 @@ def test_a_deferred_value_read_outside_a_split_is_one_line():
     step.assign_back()
 
 
+def test_slots_an_optimizer_makes_while_the_step_is_traced_are_deferred_too():
+  keras = _keras("keras3")
+  gpt = _deferred("keras3")
+  gpt.optimizer = keras.optimizers.Adam(seeded.TINY.lr, name="adam")   # not built
+  step = tfsplit.split(gpt.train_step, mesh="tp=2", input_signature=gpt.signature,
+                       variable_names=gpt.variable_names(), timeout_seconds=TIMEOUT)
+  slots = [v for v in gpt.optimizer.variables if len(v.shape) >= 1]
+  assert slots and all(deferred_lib.record_of(_tf_variable(v)) is not None for v in slots)
+  assert np.isfinite(float(step(*gpt.inputs(0))))
+  # A model built whole next to it keeps its slots real.
+  whole = seeded.build(keras, seed=1)
+  whole.optimizer = keras.optimizers.Adam(seeded.TINY.lr, name="adam")
+  tfsplit.split(whole.train_step, mesh="tp=2", input_signature=whole.signature,
+                variable_names=whole.variable_names(), timeout_seconds=TIMEOUT)
+  assert all(deferred_lib.record_of(_tf_variable(v)) is None for v in whole.optimizer.variables)
+
+
 def test_stateful_initializers_draw_in_creation_order_even_past_unused_variables():
   """tf.random.normal without an op seed draws from the global seed's
   sequence: the deferred values equal the whole ones although a variable

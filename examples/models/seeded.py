@@ -18,6 +18,8 @@ TINY = Config(vocab=96, width=32, blocks=2, heads=4, seq=8, batch=4, lr=1e-2)
 # 124 M parameters (GPT-2 small's shapes, 50257-token vocabulary), 1.49 GB
 # of weights and Adam moments.
 GPT2_SMALL = Config(vocab=50257, width=768, blocks=12, heads=12, seq=32, batch=4, lr=1e-4)
+# 1.07 B parameters: 12.0 GiB of weights and Adam moments.
+GPT_1B = Config(vocab=32000, width=2048, blocks=20, heads=16, seq=32, batch=4, lr=1e-4)
 
 
 class SeededGpt(object):

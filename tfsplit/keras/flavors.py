@@ -33,7 +33,7 @@ class Keras3(object):
   @staticmethod
   def build_optimizer(model):
     if not model.optimizer.built:
-      with deferred_lib.continuing():
+      with deferred_lib.following(model.trainable_variables):
         model.optimizer.build(model.trainable_variables)
 
   @staticmethod
@@ -90,7 +90,7 @@ class TfKeras(object):
     # The slots must exist before the step is traced (build() returns at once
     # when they do); legacy optimizers create theirs in the trace.
     if hasattr(model.optimizer, "build") and not getattr(model.optimizer, "_built", False):
-      with deferred_lib.continuing():
+      with deferred_lib.following(model.trainable_variables):
         model.optimizer.build(model.trainable_variables)
 
   @staticmethod

@@ -63,6 +63,8 @@ class _Guarded(object):
 
   def _check_value(self):
     if not context.executing_eagerly():
+      if isinstance(self, DeferredVariable):
+        _STATE.seen = True     # a traced step reads a deferred model (following)
       return
     why = self._empty_why()
     if why:
@@ -152,11 +154,24 @@ def any_made():
   return any(ref() is not None for ref in _MADE)
 
 
-def continuing():
-  """deferred_init() once this process made a deferred variable (the model
-  is deferred: what tfsplit makes for it, optimizer slots while a step is
-  traced or built, is deferred too), else a scope that does nothing."""
-  return deferred_init() if any_made() else contextlib.nullcontext()
+def following(variables=None):
+  """The scope in which tfsplit makes variables for a user's model (the
+  optimizer slots it builds, or a step makes while traced): deferred when
+  the model is. With `variables` (the model's): deferred_init() if one of
+  them is deferred, else nothing. Without: while a function is traced,
+  variables made after it read a deferred variable are deferred (a step's
+  optimizer builds its slots after the forward pass read the weights)."""
+  if variables is not None:
+    deferred = any(record_of(getattr(v, "value", v)) is not None or
+                   record_of(v) is not None for v in variables)
+    return deferred_init() if deferred else contextlib.nullcontext()
+  if not any_made():
+    return contextlib.nullcontext()
+  return _scope(conditional=True)
+
+
+def _deferring():
+  return not getattr(_STATE, "conditional", False) or getattr(_STATE, "seen", False)
 
 
 def record_of(variable):
@@ -183,6 +198,8 @@ def _constant_fill(value):
 
 def _creator(next_creator, **kwargs):
   """tf.Variable creator of the scope (see the module doc)."""
+  if not _deferring():
+    return next_creator(**kwargs)
   initial = kwargs.get("initial_value")
   shape, dtype = kwargs.get("shape"), kwargs.get("dtype")
   passed = {k: kwargs[k] for k in ("trainable", "constraint", "synchronization",
@@ -240,18 +257,31 @@ def _keras_variable_class():
 
 def _keras_initialize(self, initializer):
   """Keras 3 Variable._initialize_with_initializer inside the scope."""
+  if not _deferring():
+    return _KERAS_ORIGINAL[0](self, initializer)
   record = _keras_record(initializer, tuple(self._shape), self._dtype)  # pylint: disable=protected-access
   self._initialize(_make(  # pylint: disable=protected-access
       tf.TensorShape(self._shape), tf.as_dtype(self._dtype), self.name, record,  # pylint: disable=protected-access
       trainable=self.trainable))
 
 
-@contextlib.contextmanager
+_KERAS_ORIGINAL = [None]
+
+
 def deferred_init():
   """Variables made inside hold no memory until a split makes their shards
   (see the module doc)."""
-  keras_variable = _keras_variable_class() if _depth() == 0 else None
-  original = getattr(keras_variable, "_initialize_with_initializer", None)
+  return _scope(conditional=False)
+
+
+@contextlib.contextmanager
+def _scope(conditional):
+  outermost = _depth() == 0
+  keras_variable = _keras_variable_class() if outermost else None
+  if keras_variable is not None:
+    _KERAS_ORIGINAL[0] = keras_variable._initialize_with_initializer  # pylint: disable=protected-access
+  if outermost:
+    _STATE.conditional, _STATE.seen = conditional, False
   _STATE.depth = _depth() + 1
   try:
     if keras_variable is not None:
@@ -260,8 +290,10 @@ def deferred_init():
       yield
   finally:
     _STATE.depth -= 1
+    if outermost:
+      _STATE.conditional, _STATE.seen = False, False
     if keras_variable is not None:
-      keras_variable._initialize_with_initializer = original  # pylint: disable=protected-access
+      keras_variable._initialize_with_initializer = _KERAS_ORIGINAL[0]  # pylint: disable=protected-access
 
 
 def _slices(shard):

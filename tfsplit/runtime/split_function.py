@@ -74,7 +74,7 @@ class Traced(object):
   def __init__(self, fn, input_signature=None, variable_names=None, prepare=None):
     # Over a model made under deferred_init(), the variables the step makes
     # while it is traced (optimizer slots) hold no memory either.
-    with deferred_lib.continuing():
+    with deferred_lib.following():
       concrete = _concrete(fn, input_signature)
     self.graph_def = load_graph(concrete, variable_names=variable_names)
     if prepare is not None:
