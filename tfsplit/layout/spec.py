@@ -18,8 +18,10 @@ from typing import FrozenSet, Optional, Tuple
 from tfsplit.errors import PlanError
 
 # A private attr (TF ignores it when running the graph): one string per
-# tensor dimension, the mesh axis splitting it or "" (replicated).
+# tensor dimension, the mesh axis splitting it, "" (replicated) or KEEP (as
+# the constraint's input has it: a batch split over dp stays).
 CONSTRAINT_ATTR = "_tfsplit_sharding"
+KEEP = "?"
 
 
 def axis_parts(axis):

@@ -8,7 +8,7 @@ one input of a product (Mul, the numerator of RealDiv, the dy of ReluGrad).
 import dataclasses
 
 from tfsplit.rules.base import Decision, divisible, register
-from tfsplit.layout.spec import Sharding, axis_parts, constraint_of, overlaps
+from tfsplit.layout.spec import KEEP, Sharding, axis_parts, constraint_of, overlaps
 
 UNARY = (
     "Relu", "Relu6", "Elu", "Selu", "Gelu", "Tanh", "Sigmoid", "Exp", "Log",
@@ -123,7 +123,11 @@ def _local_shape_attr(lctx):
 def linear_unary(ctx):
   constraint = constraint_of(ctx.node)
   if constraint is not None:
-    # A sharding constraint: its input is resharded into what it asks for.
+    # A sharding constraint: its input is resharded into what it asks for
+    # (a KEEP dimension: as its input has it).
+    arrives = ctx.in_specs[0]
+    constraint = Sharding(tuple(a if d == KEEP else d
+                                for d, a in zip(constraint.dims, arrives.dims)))
     return Decision([constraint], [constraint])
   if ctx.node.op == "Cast":
     # Casting to an integer type is not linear.

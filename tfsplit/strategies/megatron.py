@@ -19,7 +19,7 @@ from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph.fold import const_value
 from tfsplit.graph.ir import Graph, parse_input
-from tfsplit.layout.spec import Constraint
+from tfsplit.layout.spec import KEEP, Constraint
 from tfsplit.rules.matmul import _einsum_letters
 from tfsplit.rules.shape import _groups
 
@@ -264,8 +264,9 @@ def embedding_tables(graph, variables):
 def embedding_constraints(graph, shapes, variables, plan, axis):
   """Sharding constraints that make each gather of an embedding table the
   plan splits along its hidden dimension (embedding_tables) whole again
-  right away (one all-gather of the looked-up rows), so the residual stream
-  after it is replicated as the rest of the preset expects."""
+  right away (one all-gather of the looked-up rows over the tensor axis), so
+  the residual stream after it is replicated over it as the rest of the
+  preset expects; its other dimensions keep their split (the batch over dp)."""
   found = []
   for var, gathers in embedding_tables(graph, variables):
     if plan.get(var.node) != (None, axis):
@@ -274,7 +275,7 @@ def embedding_constraints(graph, shapes, variables, plan, axis):
       info = shapes.tensor(name, 0)
       if info is not None and info.shape is not None:
         found.append(Constraint(f"{name}/embedding_gather", (name, 0),
-                                (None,) * len(info.shape)))
+                                (KEEP,) * (len(info.shape) - 1) + (None,)))
   return found
 
 
