@@ -52,7 +52,7 @@ def main():
   else:
     step = tfsplit.split(gpt.train_step, mesh=args.mesh, input_signature=gpt.signature,
                          variable_names=gpt.variable_names(), timeout_seconds=120.0,
-                         release=not args.deferred)
+                         release=not args.deferred, split_embeddings=True)
     held = step.runner.manifest
     report["share"] = sum(int(np.prod(s["shape"])) * 4 for e in held.values()
                           for s in e["shards"]) / report["state"]

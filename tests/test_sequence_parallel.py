@@ -17,9 +17,6 @@ from tfsplit.passes import manifest as manifest_lib
 from tfsplit.passes import split_graph
 from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding import reshard as reshard_lib
-from tfsplit.graph import find_variables
-from tfsplit.passes.config import exact_pattern
-from tfsplit.strategies.megatron import embedding_tables
 from tfsplit.strategies.sequence_parallel import activation_bytes
 
 from _util import check_training, example, names
@@ -58,11 +55,7 @@ def test_corpus_model_trains_exactly(name, mesh):
   step = check_training(ex, mesh=mesh, sequence_parallel=True)
   graph_def = _graph(ex)
   roles = _roles(graph_def)
-  # The plain split as sequence parallelism leaves the embedding tables
-  # (replicated: a sequence-split LM head would gather a split table).
-  tables = embedding_tables(Graph(graph_def), find_variables(Graph(graph_def)))
-  plain = split_graph(graph_def, make_mesh(mesh), annotations={
-      exact_pattern(var.name): (None, None) for var, _ in tables})
+  plain = split_graph(graph_def, make_mesh(mesh))
   reduced = _forward(plain.collectives, "all_reduce", roles)
   scattered = _forward(step.result.collectives, "reduce_scatter", roles)
   # Off the residual stream (BERT's pooler and classifier) stays all-reduced.

@@ -108,7 +108,7 @@ def _process():
     losses = [float(gpt.train_step(*b)) for b in batches]
   else:
     step = tfsplit.split(gpt.train_step, mesh=mesh, input_signature=gpt.signature,
-                         variable_names=gpt.variable_names(), release=not deferred,
+                         variable_names=gpt.variable_names(), release=not deferred, split_embeddings=True,
                          timeout_seconds=600.0, **options)
     held = sum(int(np.prod(s["shape"])) * 4 for e in step.runner.manifest.values()
                for s in e["shards"])

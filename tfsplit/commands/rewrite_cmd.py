@@ -79,6 +79,10 @@ def define_flags(fv):
                        "blocks run on 1/tp of the sequence (reduce-scatter and all-gather in "
                        "place of each forward all-reduce, the same bytes; their "
                        "activations divided by tp).", flag_values=fv)
+  flags.DEFINE_boolean("split-embeddings", False, "With the megatron strategy and a tp "
+                       "axis: embedding tables are split along their hidden dimension, "
+                       "each lookup all-gathered once, so a large (tied) table is not held "
+                       "by every device. Default: replicated.", flag_values=fv)
   flags.DEFINE_boolean("strict", False, "Refuse a split that does less than the mesh asks "
                        "(a tp or ep axis that splits no variable) instead of warning.",
                        flag_values=fv)

@@ -90,6 +90,11 @@ class SplitConfig:
     each forward all-reduce becomes a reduce-scatter there and an
     all-gather before the column-parallel contractions
     (strategies/sequence_parallel.py).
+  split_embeddings: with the megatron preset, embedding tables (trainable
+    [vocabulary, hidden] variables whose rows are gathered) are split along
+    their hidden dimension over the tensor axis, each lookup gathered whole
+    once after it, so a large (tied) table is not held by every device
+    (strategies/megatron.embedding_tables); off by default (replicated).
   batch_size: the global batch of a step traced with an unknown batch
     dimension (TensorSpec([None, ...])): its inputs are bound to it before
     the split, which needs static sizes; None: the traced batch.
@@ -118,6 +123,7 @@ class SplitConfig:
   task: Optional[int] = None
   gradient_reduce_dtype: Optional[str] = None
   sequence_parallel: bool = False
+  split_embeddings: bool = False
   batch_size: Optional[int] = None
   strict: bool = False
 

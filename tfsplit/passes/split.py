@@ -183,7 +183,8 @@ def plan_variables(state):
                                     axis=axis, mesh=mesh, roles=analysis.roles,
                                     # A sequence-split LM head would gather a
                                     # table split along its hidden dimension.
-                                    embeddings=not config.sequence_parallel))
+                                    embeddings=config.split_embeddings and
+                                    not config.sequence_parallel))
     gathers = embedding_constraints(analysis.graph, analysis.shapes, analysis.variables,
                                     state.plan, axis)
     if gathers:
