@@ -80,8 +80,8 @@ def _check_against(step, reference, losses, shard_values=None):
 
 @pytest.mark.parametrize("flavor,mesh,options", [
     ("keras3", "tp=2", {"split_embeddings": True}),
-    ("tfkeras", "tp=2", {"split_embeddings": True}),
-    ("keras3", "dp=2", {"zero": 1})])
+    pytest.param("tfkeras", "tp=2", {"split_embeddings": True}, marks=pytest.mark.slow),
+    pytest.param("keras3", "dp=2", {"zero": 1}, marks=pytest.mark.slow)])
 def test_deferred_split_trains_like_the_model_built_whole(flavor, mesh, options):
   reference = _reference(flavor)
   gpt = _deferred(flavor)
