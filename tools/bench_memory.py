@@ -46,6 +46,8 @@ flags.DEFINE_enum("preset", "gpt2-small", ["gpt2-small", "gpt-1b", "tiny"],
                   "Model size (gpt-1b: 12 GiB of state, for a machine where two "
                   "workers cannot each hold it whole).")
 flags.DEFINE_list("configs", CONFIGS, "Configurations to run (see the module doc).")
+flags.DEFINE_boolean("untied", False, "An LM head of its own instead of the tied "
+                     "embedding (a pipeline then sends no table between stages).")
 flags.DEFINE_integer("steps", 3, "Training steps per process.", lower_bound=1)
 flags.DEFINE_float("timeout", 1800.0, "Seconds each configuration may take.")
 flags.DEFINE_string("role", None, "Internal: 'process' runs one configuration here.")
@@ -63,8 +65,9 @@ def _status(key):
 
 def _preset():
   from models import seeded  # pylint: disable=import-outside-toplevel
-  return {"gpt2-small": seeded.GPT2_SMALL, "gpt-1b": seeded.GPT_1B,
-          "tiny": seeded.TINY}[FLAGS.preset]
+  cfg = {"gpt2-small": seeded.GPT2_SMALL, "gpt-1b": seeded.GPT_1B,
+         "tiny": seeded.TINY}[FLAGS.preset]
+  return cfg._replace(tied=not FLAGS.untied)
 
 
 def _parse(config):
@@ -129,7 +132,8 @@ def _run(config, tmp):
   workers = 2 if mesh and not mesh.startswith("tp") else 1
   out = os.path.join(tmp, config.replace("/", "_").replace(",", "_").replace("=", ""))
   cmd = [sys.executable, os.path.abspath(__file__), "--role", "process", "--config", config,
-         "--preset", FLAGS.preset, "--steps", str(FLAGS.steps)]
+         "--preset", FLAGS.preset, "--steps", str(FLAGS.steps),
+         "--untied" if FLAGS.untied else "--nountied"]
   if workers == 1:
     subprocess.run(cmd + ["--out", out + ".json"], check=True, timeout=FLAGS.timeout)
     return [json.load(open(out + ".json"))]

@@ -1,7 +1,8 @@
 """A GPT-2-style decoder whose weights come from its layers' own seeded
 initializers (the other examples assign seeded values after building), so
 it can be built under tfsplit.deferred_init() and give the same weights as
-built whole: Keras 3 (`import keras`) or tf_keras, tied embeddings,
+built whole: Keras 3 (`import keras`) or tf_keras, tied embeddings (or an
+LM head of its own, tied=False),
 pre-norm blocks of causal multi-head attention and a GELU MLP, Adam.
 
     model = seeded.build(keras, seeded.GPT2_SMALL, seed=0)
@@ -12,7 +13,8 @@ import collections
 import numpy as np
 import tensorflow as tf
 
-Config = collections.namedtuple("Config", "vocab width blocks heads seq batch lr")
+Config = collections.namedtuple("Config", "vocab width blocks heads seq batch lr tied",
+                                defaults=(True,))
 
 TINY = Config(vocab=96, width=32, blocks=2, heads=4, seq=8, batch=4, lr=1e-2)
 # 124 M parameters (GPT-2 small's shapes, 50257-token vocabulary), 1.49 GB
@@ -41,6 +43,8 @@ class SeededGpt(object):
       h = K.layers.Dense(4 * cfg.width, activation="gelu", name=f"block{i}_up")(h)
       x = x + K.layers.Dense(cfg.width, name=f"block{i}_down")(h)
     x = K.layers.LayerNormalization(epsilon=1e-5, name="final_ln")(x)
+    if not cfg.tied:   # an LM head of its own (the default reads the embedding)
+      x = K.layers.Dense(cfg.vocab, use_bias=False, name="lm_head")(x)
     self.model = K.Model(tokens, x, name="gpt")
     self.optimizer = K.optimizers.Adam(cfg.lr, name="adam")
     self.optimizer.build(self.model.trainable_variables)
@@ -51,7 +55,8 @@ class SeededGpt(object):
     variables = self.model.trainable_variables
     with tf.GradientTape() as tape:
       hidden = self.model(tokens, training=True)
-      logits = tf.matmul(hidden, self.embedding.embeddings, transpose_b=True)
+      logits = (tf.matmul(hidden, self.embedding.embeddings, transpose_b=True)
+                if self.cfg.tied else hidden)
       loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels, logits))
     grads = tape.gradient(loss, variables)
     self.optimizer.apply_gradients(zip(grads, variables))

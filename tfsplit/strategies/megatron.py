@@ -223,8 +223,10 @@ def megatron_plan(graph, shapes, variables, axis=constants.TENSOR_AXIS, mesh=Non
     plan[var.node] = tuple(dims_spec)
     logging.info("megatron: %s '%s' (%s) splits variable '%s' dim %d", kind[name],
                  name, node.op, var.name, var_dim)
-  for var, _ in embedding_tables(graph, variables) if embeddings else ():
-    if var.node not in plan and (n is None or var.shape[1] % n == 0):
+  for var, gathers in embedding_tables(graph, variables) if embeddings else ():
+    if var.node not in plan and (n is None or var.shape[1] % n == 0) and \
+        _gathers_collect(shapes, gathers) and not _scattered(graph, var) and \
+        not _cast_for_compute(graph, var):
       plan[var.node] = (None, axis)
       logging.info("megatron: embedding table '%s' split along its hidden dimension",
                    var.name)
@@ -277,6 +279,48 @@ def embedding_constraints(graph, shapes, variables, plan, axis):
         found.append(Constraint(f"{name}/embedding_gather", (name, 0),
                                 (KEEP,) * (len(info.shape) - 1) + (None,)))
   return found
+
+
+# What a CollectiveGatherV2 takes on every device type (not bfloat16 on CPU).
+_GATHERABLE = frozenset([1, 2, 3, 9, 19])   # float, double, int32, int64, half
+
+
+def _gathers_collect(shapes, gathers):
+  """Whether every lookup's rows can be all-gathered (their dtype)."""
+  for name in gathers:
+    info = shapes.tensor(name, 0)
+    if info is None or info.dtype not in _GATHERABLE:
+      logging.info("megatron: '%s' gathers a dtype a collective cannot; its table "
+                   "stays replicated", name)
+      return False
+  return True
+
+
+def _scattered(graph, var):
+  """Whether a sparse update writes the table's rows (ResourceScatter*,
+  ResourceSparseApply*): those have no split rule along the hidden dimension."""
+  for consumer, _ in graph.consumers(var.node):
+    op = graph.node(consumer).op
+    if op.startswith("ResourceScatter") or op.startswith("ResourceSparseApply"):
+      return True
+  return False
+
+
+def _cast_for_compute(graph, var):
+  """Whether a read of the table is cast to a dtype a collective cannot
+  gather (mixed bfloat16 on CPU): its split would move such a tensor."""
+  stack, seen = [var.node], set()
+  while stack:
+    for consumer, _ in graph.consumers(stack.pop(), port=0):
+      node = graph.node(consumer)
+      if consumer in seen:
+        continue
+      seen.add(consumer)
+      if node.op in ("Identity", "ReadVariableOp"):
+        stack.append(consumer)
+      elif node.op == "Cast" and node.attr["DstT"].type not in _GATHERABLE:
+        return True
+  return False
 
 
 def _is_axis_zero(graph, node):
