@@ -11,14 +11,6 @@ import os
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 
-def _status(key):
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1]) * 1024
-  return 0
-
-
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--deferred", action="store_true")
@@ -37,13 +29,13 @@ def main():
     devices.ensure_logical_devices(2)
   cfg = seeded.TINY if args.preset == "tiny" else seeded.Config(
       vocab=4096, width=512, blocks=3, heads=8, seq=16, batch=4, lr=1e-3)
-  base = _status("VmRSS")
+  base = seeded.process_memory("VmRSS")
   if args.deferred:
     with tfsplit.deferred_init():
       gpt = seeded.build(keras, cfg, seed=0)
   else:
     gpt = seeded.build(keras, cfg, seed=0)
-  after_build = _status("VmRSS")
+  after_build = seeded.process_memory("VmRSS")
   batches = [gpt.inputs(100 + i) for i in range(args.steps)]
   report = {"base": base, "after_build": after_build, "state": gpt.state_bytes(),
             "share": 1.0}
@@ -60,7 +52,7 @@ def main():
     if args.values:
       report["manifest"] = held
       report["values"] = {k: v.tolist() for k, v in step.shard_values().items()}
-  report["peak"] = _status("VmHWM")
+  report["peak"] = seeded.process_memory("VmHWM")
   with open(args.out, "w") as f:
     json.dump(report, f)
 

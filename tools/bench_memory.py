@@ -55,14 +55,6 @@ flags.DEFINE_string("config", None, "Internal: the configuration of --role.")
 flags.DEFINE_string("out", None, "Internal: where --role writes its JSON.")
 
 
-def _status(key):
-  with open("/proc/self/status") as f:
-    for line in f:
-      if line.startswith(key + ":"):
-        return int(line.split()[1]) * 1024
-  return 0
-
-
 def _preset():
   from models import seeded  # pylint: disable=import-outside-toplevel
   cfg = {"gpt2-small": seeded.GPT2_SMALL, "gpt-1b": seeded.GPT_1B,
@@ -97,14 +89,14 @@ def _process():
   multi = "TF_CONFIG" in os.environ
   if mesh and not multi:
     devices.ensure_logical_devices(4)
-  base = _status("VmRSS")
+  base = seeded.process_memory("VmRSS")
   if deferred:
     with tfsplit.deferred_init():
       gpt = seeded.build(keras, _preset(), seed=0)
   else:
     gpt = seeded.build(keras, _preset(), seed=0)
   state = gpt.state_bytes()
-  after_build = _status("VmRSS")
+  after_build = seeded.process_memory("VmRSS")
   batches = [gpt.inputs(seed=100 + i) for i in range(FLAGS.steps)]
   share = 1.0
   if mesh is None:
@@ -119,7 +111,7 @@ def _process():
     losses = [float(step(*step.local_batch(*b))) for b in batches]
   report = {"config": FLAGS.config, "task": os.environ.get("TF_CONFIG") and
             json.loads(os.environ["TF_CONFIG"])["task"]["index"],
-            "base": base, "after_build": after_build, "peak": _status("VmHWM"),
+            "base": base, "after_build": after_build, "peak": seeded.process_memory("VmHWM"),
             "state": state, "share": share, "losses": losses}
   with open(FLAGS.out, "w") as f:
     json.dump(report, f)

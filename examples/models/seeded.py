@@ -87,5 +87,16 @@ class SeededGpt(object):
     return sum(int(np.prod(v.shape)) * tf.as_dtype(v.dtype).size for v in self.variables())
 
 
+def process_memory(key="VmHWM"):
+  """Bytes of this process's memory a line of /proc/self/status gives
+  (VmHWM: the peak resident memory; VmRSS: now): what a split of this model
+  is measured by (tools/bench_memory.py, tests/test_deferred.py)."""
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith(key + ":"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
 def build(K, cfg=TINY, seed=0):
   return SeededGpt(K, cfg, seed)

@@ -34,6 +34,7 @@ from tensorflow.python.eager import context
 from tensorflow.python.ops import resource_variable_ops
 
 from tfsplit.errors import TfsplitError
+from tfsplit.runtime import shards as shards_lib
 
 # A constant below this many bytes (a step counter, a scalar) is made a
 # real variable: deferring it saves nothing.
@@ -142,11 +143,6 @@ _MADE = []   # weak references to every DeferredVariable, in creation order
 
 def _depth():
   return getattr(_STATE, "depth", 0)
-
-
-def active():
-  """True inside deferred_init()."""
-  return _depth() > 0
 
 
 def any_made():
@@ -296,10 +292,6 @@ def _scope(conditional):
       keras_variable._initialize_with_initializer = _KERAS_ORIGINAL[0]  # pylint: disable=protected-access
 
 
-def _slices(shard):
-  return tuple(slice(o, o + s) for o, s in zip(shard["offsets"], shard["shape"]))
-
-
 def _value(variable, record):
   """The full numpy value of a variable (made from its record when deferred)."""
   if record is None:
@@ -339,12 +331,7 @@ def stream(manifest, variables, release=False):
       continue
     if record is not None and record.ordered:
       _draw_before(record)
-    value = _value(variable, record)
-    if list(value.shape) != list(entry["shape"]):
-      raise TfsplitError(f"variable '{name}': value has shape {list(value.shape)}, the "
-                         f"graph expects {entry['shape']}")
-    chunk = {s["name"]: value[_slices(s)] for s in entry["shards"]}
-    del value
+    chunk = shards_lib.shard_values({name: entry}, {name: _value(variable, record)})
     yield chunk
     if release and record is None:
       empty(variable)

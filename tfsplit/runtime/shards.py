@@ -70,12 +70,6 @@ def create_shard_variables(manifest, full_values_by_name):
   return create_variables(manifest, shard_values(manifest, full_values_by_name))
 
 
-def chunks_of(values):
-  """`values` as a sequence of {shard name: value} chunks: a dict is one
-  chunk; an iterable (a stream, one variable at a time) is as given."""
-  return [values] if isinstance(values, dict) else values
-
-
 @without_gc
 def create_variables(manifest, values):
   """{shard name: tf.Variable on its device} initialised from `values`
@@ -87,7 +81,7 @@ def create_variables(manifest, values):
   # attr, part of TF's kernel cache key, so a name per shard would build a
   # kernel per shard (0.4 ms each, most of a first split's variable time).
   # The shards are told apart by their key in the dict returned.
-  for chunk in chunks_of(values):
+  for chunk in [values] if isinstance(values, dict) else values:
     for name, value in chunk.items():
       with tf.device(device_of[name]):
         made[name] = tf.Variable(value, name=_SHARD_VARIABLE_NAME)
