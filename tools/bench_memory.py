@@ -49,6 +49,8 @@ flags.DEFINE_list("configs", CONFIGS, "Configurations to run (see the module doc
 flags.DEFINE_boolean("untied", False, "An LM head of its own instead of the tied "
                      "embedding (a pipeline then sends no table between stages).")
 flags.DEFINE_integer("steps", 3, "Training steps per process.", lower_bound=1)
+flags.DEFINE_boolean("phases", False, "Also print each process's peak growth after the "
+                     "split (its shards made) and after the first step.")
 flags.DEFINE_float("timeout", 1800.0, "Seconds each configuration may take.")
 flags.DEFINE_string("role", None, "Internal: 'process' runs one configuration here.")
 flags.DEFINE_string("config", None, "Internal: the configuration of --role.")
@@ -99,8 +101,11 @@ def _process():
   after_build = seeded.process_memory("VmRSS")
   batches = [gpt.inputs(seed=100 + i) for i in range(FLAGS.steps)]
   share = 1.0
+  phases = {}
   if mesh is None:
-    losses = [float(gpt.train_step(*b)) for b in batches]
+    losses = [float(gpt.train_step(*batches[0]))]
+    phases["first_step"] = seeded.process_memory("VmHWM")
+    losses += [float(gpt.train_step(*b)) for b in batches[1:]]
   else:
     step = tfsplit.split(gpt.train_step, mesh=mesh, input_signature=gpt.signature,
                          variable_names=gpt.variable_names(), release=not deferred, split_embeddings=True,
@@ -108,11 +113,14 @@ def _process():
     held = sum(int(np.prod(s["shape"])) * 4 for e in step.runner.manifest.values()
                for s in e["shards"])
     share = held / state
-    losses = [float(step(*step.local_batch(*b))) for b in batches]
+    phases["split"] = seeded.process_memory("VmHWM")
+    losses = [float(step(*step.local_batch(*batches[0])))]
+    phases["first_step"] = seeded.process_memory("VmHWM")
+    losses += [float(step(*step.local_batch(*b))) for b in batches[1:]]
   report = {"config": FLAGS.config, "task": os.environ.get("TF_CONFIG") and
             json.loads(os.environ["TF_CONFIG"])["task"]["index"],
             "base": base, "after_build": after_build, "peak": seeded.process_memory("VmHWM"),
-            "state": state, "share": share, "losses": losses}
+            "state": state, "share": share, "losses": losses, "phases": phases}
   with open(FLAGS.out, "w") as f:
     json.dump(report, f)
   del tf
@@ -163,6 +171,9 @@ def main(argv):
     print(f"{r['config']:24s} {str(r['task'] if r['task'] is not None else '-'):>4s} "
           f"{r['base'] / gib:7.2f} {r['peak'] / gib:7.2f} {growth / gib:7.2f} "
           f"{ratio:9.2f} {r['share']:6.2f}  {str(same):12s}  {r['losses'][0]:.6f}")
+    if FLAGS.phases:
+      print("    peak growth by then: " + ", ".join(
+          f"{k} {(v - r['base']) / gib:.2f} GiB" for k, v in r["phases"].items()))
   return 0
 
 
