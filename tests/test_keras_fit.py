@@ -9,6 +9,7 @@ update after training, with the rounding noise of a second plain run on
 reversed batches as the noise floor (tfsplit.runtime.compare).
 """
 import os
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ import tensorflow as tf
 import tfsplit.keras
 from tfsplit.errors import PlanError, TfsplitError
 from tfsplit.keras.flavors import flavor_of
+from tfsplit.keras import model as keras_model
 from tfsplit.keras.model import named_variables
 from tfsplit.runtime import compare
 
@@ -249,7 +251,36 @@ def test_batch_that_does_not_divide_is_one_line():
   message = str(error.value)
   assert "\n" not in message
   assert "12 examples" in message and "dp=2 x microbatches=4" in message
-  assert "multiple of 8" in message and "drop_remainder=True" in message
+  assert "multiples of 8" in message and "drop_remainder=True" in message
+  # Refused from the dataset's own batch op, before anything was split.
+  assert split_model.split_step is None
+
+
+def test_dataset_whose_last_batch_does_not_divide_is_refused_before_training():
+  """A tf.data dataset of 19 examples batched by 16 ends in a batch of 3:
+  refused before the first batch (read from its batch op and the length of
+  what it batches, without reading the data); a dataset whose last batch
+  cannot be told that way (a filter before the batch op) is one warning,
+  and one batched with drop_remainder=True trains."""
+  name = "causallm_keras3"
+  K = _keras(name)
+  ex = models.build(name, size="tiny", seed=0)
+  split_model = tfsplit.keras.split(ex.model, mesh="dp=2", timeout_seconds=TIMEOUT)
+  _compile(split_model, K)
+  x, y = _text(ex.config, 19, seed=1)
+  examples = tf.data.Dataset.from_tensor_slices((x, y))
+  with pytest.raises(PlanError) as error:
+    split_model.fit(examples.shuffle(4, seed=0).batch(16).prefetch(1), epochs=1, verbose=0)
+  message = str(error.value)
+  assert "\n" not in message and "19 examples by 16 (the last of 3)" in message, message
+  assert "a batch of 3 examples" in message and "drop_remainder=True" in message
+  assert split_model.split_step is None
+  with mock.patch.object(keras_model.logging, "warning") as warning:
+    split_model._check_batches(examples.filter(lambda a, b: True).batch(16), None)  # pylint: disable=protected-access
+  (text, *args), _ = warning.call_args
+  assert "last batch is not known" in text and "drop_remainder=True" in text % tuple(args)
+  split_model.fit(examples.batch(16, drop_remainder=True), epochs=1, verbose=0)
+  assert split_model.split_step is not None
 
 
 @pytest.mark.slow

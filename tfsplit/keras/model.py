@@ -67,6 +67,47 @@ class _Kind(object):
     self.fetch_predictions = True
 
 
+def _dataset_batches(dataset):
+  """(batch size, examples batched or None) of a tf.data dataset, read from
+  the last batch op on its way (Dataset.batch / padded_batch, before any
+  map, prefetch, cache or repeat) and the cardinality of what that op
+  batches, without reading an element; (size, None) when every batch is
+  full (drop_remainder, an infinite input). None when it cannot be told
+  (no batch op found, a filter before it, a batch op after an unbatch)."""
+  spec = tf.nest.flatten(dataset.element_spec)
+  if spec and getattr(spec[0], "shape", None) is not None and spec[0].shape.rank and \
+      spec[0].shape[0] is not None:
+    return int(spec[0].shape[0]), None     # static: every batch is that size
+  node = dataset
+  for _ in range(100):   # a dataset's chain of inputs
+    size = getattr(node, "_batch_size", None)
+    source = getattr(node, "_input_dataset", None)
+    if size is not None and source is not None:
+      try:
+        size = int(size)
+        drop = bool(getattr(node, "_drop_remainder", False))
+        n = int(source.cardinality())
+      except (TypeError, ValueError, tf.errors.OpError):
+        return None
+      if size < 1:
+        return None
+      if drop or n == int(tf.data.INFINITE_CARDINALITY):
+        return size, None
+      if n < 0:
+        return None
+      # What follows the batch op keeps its batches (map, prefetch,
+      # repeat): else a take/skip/shard decides which ones fit sees.
+      batches, total = -(-n // size), int(dataset.cardinality())
+      if total != int(tf.data.INFINITE_CARDINALITY) and \
+          (batches == 0 or total % batches or total == 0):
+        return None
+      return size, n
+    if source is None:
+      return None
+    node = source
+  return None
+
+
 def _flat(data):
   """The non-None tensors of a batch (x, y, sample_weight), flattened."""
   return [t for t in tf.nest.flatten(data) if t is not None]
@@ -229,30 +270,48 @@ class SplitModelMixin(object):
           "that is one too (batch a tf.data dataset with drop_remainder=True)")
 
   def _check_batches(self, x, batch_size):
-    """Before the first epoch: array inputs whose batches (the last one
-    too) will not divide over dp x micro-batches are refused now, not when
-    the odd batch arrives after epochs of training. Datasets are checked as
-    their batches come."""
+    """Before the first epoch: inputs whose batches (the last one too) will
+    not divide over dp x micro-batches are refused now, not when the odd
+    batch arrives after epochs of training: arrays from their length and
+    batch_size, a tf.data dataset from its batch op and what feeds it
+    (_dataset_batches); one whose last batch cannot be known without
+    reading it is one warning."""
     state = self._tfsplit
     if state.mesh_axes is None or x is None:
       return
-    first = next((t for t in tf.nest.flatten(x) if t is not None), None)
-    if first is None or not hasattr(first, "shape") or isinstance(first, tf.data.Dataset) or \
-        not first.shape or first.shape[0] is None:
-      return
-    n, size = int(first.shape[0]), int(batch_size or 32)
-    sizes = {min(size, n)} | ({n % size} if n % size and n > size else set())
     dp = state.mesh_axes.get("dp", 1)
     m = int(state.options.get("microbatches", 1) or 1) if state.step is None else \
         int(state.step.config.microbatches)
+    if dp * m == 1:
+      return
+    first = next((t for t in tf.nest.flatten(x) if t is not None), None)
+    if isinstance(first, tf.data.Dataset):
+      found = _dataset_batches(first)
+      if found is None:
+        logging.warning(
+            "tfsplit.keras: the size of the dataset's last batch is not known before it "
+            "arrives (no batch op over an input of known length); if it does not divide "
+            "over dp=%d x microbatches=%d, fit stops there: batch the dataset with "
+            "drop_remainder=True", dp, m)
+        return
+      size, n = found
+      where = f"the dataset batches {n} examples by {size}" if n is not None else \
+          f"the dataset batches by {size}"
+    elif first is None or not hasattr(first, "shape") or not first.shape or \
+        first.shape[0] is None:
+      return
+    else:
+      n, size = int(first.shape[0]), int(batch_size or 32)
+      where = f"fit would cut {n} examples into batches of {size}"
+    last = n % size if n is not None and n > size and n % size else None
+    sizes = {size if n is None else min(size, n)} | ({last} if last else set())
     bad = sorted(b for b in sizes if b % (dp * m))
     if bad:
       raise PlanError(
-          f"fit would cut {n} examples into batches of {size}"
-          + (f" (the last of {n % size})" if n % size and n > size else "")
+          where + (f" (the last of {last})" if last else "")
           + f", and a batch of {bad[0]} examples does not divide over dp={dp} x "
           f"microbatches={m}: "
-          f"use a batch_size and a number of examples that are multiples of {dp * m} "
+          f"use a batch size and a number of examples that are multiples of {dp * m} "
           "(or a tf.data dataset batched with drop_remainder=True)")
 
   def _report_fallbacks(self, step):
