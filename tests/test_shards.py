@@ -4,7 +4,7 @@ import pytest
 import tensorflow as tf
 
 import tfsplit
-from tfsplit.errors import DivergedCopiesError, TfsplitError
+from tfsplit.errors import DivergedCopiesError, PlanError, TfsplitError
 from tfsplit.runtime import shards as shards_lib
 
 
@@ -81,3 +81,25 @@ def test_shard_variables_on_their_devices():
     var = made[shard["name"]]
     assert var.device.endswith(shard["device"].split("/")[-1])
     np.testing.assert_array_equal(var.numpy(), full["w"][:, 3 * shard["device_id"]:][:, :3])
+
+
+def test_a_step_sharing_shards_split_another_way_says_both_layouts():
+  """A second split over the first one's shards (evaluation, a smaller last
+  batch) that would cut a variable differently is one line giving both
+  layouts, not a claim about input shapes."""
+
+  def manifest(dims, offsets):
+    return {"dense/kernel": {"sharding": list(dims), "shards": [
+        {"name": f"dense/kernel/shard_{i}", "device": f"/device:CPU:{i}",
+         "offsets": list(o), "shape": [4, 2] if dims[1] else [2, 4]}
+        for i, o in enumerate(offsets)]}}
+
+  train = manifest([None, "tp"], [[0, 0], [0, 2]])
+  shards_lib.check_same_layout(train, train)
+  evaluation = manifest(["tp", None], [[0, 0], [2, 0]])
+  with pytest.raises(PlanError) as error:
+    shards_lib.check_same_layout(evaluation, train)
+  message = str(error.value)
+  assert "\n" not in message and "'dense/kernel'" in message
+  assert "shape [2, 4] at [0, 0] on /device:CPU:0 here, shape [4, 2] at [0, 0]" in message
+  assert "sharding ['tp', None] here, [None, 'tp'] there" in message, message

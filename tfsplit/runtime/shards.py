@@ -101,9 +101,16 @@ def check_same_layout(manifest, other):
     for shard in entry["shards"]:
       their = theirs.get(shard["name"])
       if their is None or any(their[k] != shard[k] for k in ("device", "offsets", "shape")):
+        def where(s):
+          return f"shape {list(s['shape'])} at {list(s['offsets'])} on {s['device']}"
+        there = where(their) if their is not None else "no such shard"
         raise PlanError(
-            f"variable '{name}' is split another way for this input shape than for the "
-            f"first one (shard '{shard['name']}'); give every call the same input shapes")
+            f"variable '{name}' would be split another way by this step than by the step "
+            f"whose shards it shares (shard '{shard['name']}': {where(shard)} here, {there} "
+            f"there; sharding {list(entry['sharding'])} here, "
+            f"{list(other[name]['sharding']) if name in other else 'none'} there); give "
+            "every call the input shapes of the first one, or pin the variable's split with "
+            "annotations")
 
 
 def full_values_from_checkpoint(path, names):
