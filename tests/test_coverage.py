@@ -83,6 +83,36 @@ def test_weights_only_inside_a_loop_name_the_loop():
     tfsplit.split(step, mesh="tp=2", input_signature=signature, strict=True)
 
 
+def _much_less(caplog):
+  return [r.getMessage() for r in caplog.records
+          if r.levelno == logging.WARNING and "its weight contractions read" in r.getMessage()]
+
+
+def test_an_axis_that_splits_much_less_than_it_could_warns_and_strict_refuses(caplog):
+  """A decoder whose tied embedding table holds most of its weights (a
+  4000-token vocabulary over width 32): tp=2 splits its blocks but not the
+  table, under half of what its weight contractions read. One warning names
+  the table and split_embeddings; strict refuses; with split_embeddings
+  there is nothing to say."""
+  import keras  # pylint: disable=import-outside-toplevel
+  from models import seeded  # pylint: disable=import-outside-toplevel
+  gpt = seeded.build(keras, seeded.TINY._replace(vocab=4000), seed=0)
+  graph_def = load_graph(gpt.train_step.get_concrete_function(*gpt.signature),
+                         variable_names=gpt.variable_names())
+  with caplog.at_level(logging.WARNING):
+    split_graph(graph_def, Mesh({"tp": 2}))
+  warned = _much_less(caplog)
+  assert len(warned) == 1, warned
+  assert "(16%)" in warned[0] and "'embed/embeddings' (0.488 MiB)" in warned[0] and \
+      "split_embeddings=True" in warned[0], warned[0]
+  with pytest.raises(PlanError, match="its weight contractions read.*--annotate"):
+    split_graph(graph_def, Mesh({"tp": 2}), strict=True)
+  caplog.clear()
+  with caplog.at_level(logging.WARNING):
+    split_graph(graph_def, Mesh({"tp": 2}), split_embeddings=True, strict=True)
+  assert not _much_less(caplog)
+
+
 # --- no silent replication over the corpus ------------------------------------------------
 # Each model's tp=2 split keeps at least this share of its variable bytes
 # split (weights with their optimizer slots); every model measured 0.78 or more.

@@ -84,7 +84,7 @@ def define_flags(fv):
                        "each lookup all-gathered once, so a large (tied) table is not held "
                        "by every device. Default: replicated.", flag_values=fv)
   flags.DEFINE_boolean("strict", False, "Refuse a split that does less than the mesh asks "
-                       "(a tp or ep axis that splits no variable) instead of warning.",
+                       "(a tp or ep axis that splits no variable, a tp axis that splits under half of what its weight contractions read) instead of warning.",
                        flag_values=fv)
   flags.DEFINE_integer("batch", None, "The global batch of a graph traced with an unknown "
                        "batch dimension (inputs of shape [None, ...]): its inputs are bound "

@@ -99,7 +99,8 @@ class SplitConfig:
     dimension (TensorSpec([None, ...])): its inputs are bound to it before
     the split, which needs static sizes; None: the traced batch.
   strict: a split that does less than its mesh asked (a tp or ep axis that
-    splits no variable) is refused (PlanError) instead of warned about
+    splits no variable; the megatron preset's tp axis splitting under half
+    of what its weight contractions read) is refused (PlanError) instead of warned about
     (passes/coverage.py).
   task: None (the graph of the whole mesh), or the index of the cluster task
     whose part alone is written (sharding/tasks.py): its nodes, the edges to

@@ -8,6 +8,10 @@ than its mesh asked: never silently.
                             splits no variable, naming why (the strategy, an
                             op that fell back to replication, loops kept
                             whole, no weight contraction); None otherwise
+    short_of(result, could) one line when the megatron preset's tp axis splits
+                            less than half of the bytes its weight
+                            contractions read (`could`, from the graph),
+                            naming the largest weight left whole and why
     check(result)           that line as a warning, or (config.strict) as a
                             PlanError: the split refused
 """
@@ -88,10 +92,52 @@ def shortfall(result, loops=()):
   return None
 
 
-def check(result, loops=()):
+# Below this share of the bytes its weight contractions read, a tp axis
+# "splits much less than it could".
+MUCH_LESS = 0.5
+
+
+def short_of(result, could, loops=()):
+  """One line when the megatron preset's tp axis (2+) splits some variables
+  but under MUCH_LESS of the bytes its weight contractions could split, or
+  None. could: {variable name: 'table' (an embedding table, which
+  split_embeddings splits) or 'weight' (a weight contraction's operand)}."""
+  config, manifest = result.config, result.manifest
+  axis = constants.TENSOR_AXIS
+  size = config.mesh.axes.get(axis, 1)
+  if size < 2 or config.strategy != "megatron" or not could:
+    return None
+  entries = {n: manifest[n] for n in could if n in manifest}
+  split = {n for n, e in entries.items() if any(d and axis in axis_parts(d)
+                                               for d in e["sharding"])}
+  total = sum(_bytes(e) for e in entries.values())
+  done = sum(_bytes(entries[n]) for n in split)
+  if not split or not total or done >= MUCH_LESS * total:
+    return None
+  largest = max((n for n in entries if n not in split), key=lambda n: _bytes(entries[n]))
+  if could[largest] == "table" and not config.split_embeddings:
+    why = "an embedding table: split_embeddings=True (--split-embeddings) splits it"
+  elif could[largest] == "table":
+    why = ("an embedding table split_embeddings leaves whole (its rows are updated "
+           "sparsely, cast to a 16-bit type, or its width does not divide)")
+  elif result.fallbacks:
+    first = result.fallbacks[0]
+    why = (f"{len(result.fallbacks)} op(s) fell back to replication, first node "
+           f"'{first.node}' (op {first.op}): {first.reason}")
+  elif loops:
+    why = "loops kept whole (" + ", ".join(f"'{l}'" for l in loops[:3]) + ")"
+  else:
+    why = "the megatron preset pairs no contraction with it"
+  return (f"mesh axis {axis}={size} splits {done / 2**20:.3g} of the {total / 2**20:.3g} "
+          f"MiB its weight contractions read ({100.0 * done / total:.0f}%): the largest "
+          f"left whole, '{largest}' ({_bytes(entries[largest]) / 2**20:.3g} MiB), is "
+          f"{why}; every device holds it")
+
+
+def check(result, loops=(), could=None):
   """Warns in one line when the split does less than the mesh asked; with
   config.strict, refuses it (PlanError) instead."""
-  line = shortfall(result, loops)
+  line = shortfall(result, loops) or short_of(result, could or {}, loops)
   if line is None:
     return
   if result.config.strict:

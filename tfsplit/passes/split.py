@@ -82,7 +82,8 @@ from tfsplit.layout.mesh import is_gpu
 from tfsplit.sharding.propagate import propagate
 from tfsplit.layout.spec import Sharding, insert_constraints
 from tfsplit.strategies import experts as experts_lib
-from tfsplit.strategies.megatron import embedding_constraints, megatron_plan
+from tfsplit.strategies.megatron import (embedding_constraints, embedding_tables,
+                                         find_weight_contractions, megatron_plan)
 from tfsplit.strategies import sequence_parallel as sequence_lib
 
 
@@ -406,7 +407,7 @@ def run_passes(graph_def, config):
                        state.partition, state.stage_of, state.schedule_edges, state.offload,
                        state.offloaded_nodes, state.task_part, tuple(state.experts))
   logging.info("%s", coverage.axis_line(result).strip())
-  coverage.check(result, loops)
+  coverage.check(result, loops, _contraction_weights(state))
   return result
 
 
@@ -423,6 +424,23 @@ def split_graph(graph_def, config, **options):
 
 
 # --- helpers -----------------------------------------------------------------------
+def _contraction_weights(state):
+  """{variable name: 'table' | 'weight'} of what a tp axis could split (the
+  trainable operands of forward weight contractions, embedding tables):
+  what coverage.short_of measures the split against. Empty unless the
+  megatron preset runs over a tp axis."""
+  config, analysis = state.config, state.analysis
+  if config.strategy != "megatron" or \
+      config.mesh.axes.get(constants.TENSOR_AXIS, 1) < 2:
+    return {}
+  by_node = {v.node: v.name for v in analysis.variables}
+  could = {var.name: "weight" for _, _, var, _ in find_weight_contractions(
+      analysis.graph, analysis.shapes, analysis.variables, analysis.roles)}
+  for var, _ in embedding_tables(analysis.graph, analysis.variables):
+    could[by_node[var.node]] = "table"
+  return could
+
+
 def _warn_whole_loops(graph):
   """One warning naming the loops (and Case) kept whole: their bodies are
   not split, the ops around them are. Returns their names."""
