@@ -8,6 +8,7 @@ workers on 127.0.0.1 (free ports), bound every wait, and kill what they
 started, also on failure.
 """
 import collections
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+import tensorflow as tf
 from tensorflow.python.framework import tensor_util
 
 from tfsplit.errors import PlanError
@@ -227,6 +229,18 @@ def test_dead_worker_ends_the_others_and_resume_is_exact(tmp_path):
   with run(tmp_path / "ck_full", tmp_path / "full.npz") as each:
     for p, (out, err) in zip(each.procs, each.communicate(300)):
       assert p.returncode == 0, err[-3000:]
+  # Each task wrote its part; merged, plain TF reads every variable whole:
+  # the value the uninterrupted run ended with.
+  reader = tf.train.load_checkpoint(str(tmp_path / "ck_full"))
+  path = os.path.dirname(tf.train.latest_checkpoint(str(tmp_path / "ck_full")))
+  with open(os.path.join(path, "manifest.json"), encoding="utf-8") as f:
+    saved = json.load(f)
+  assert saved["step"] == steps and not [d for d in os.listdir(path) if d.startswith("task-")]
+  final = np.load(tmp_path / "full.task0.npz")
+  assert set(reader.get_variable_to_shape_map()) == set(saved["variables"])
+  for name, entry in saved["variables"].items():
+    shard = next(s for s in entry["shards"] if "task:0" in s["device"])
+    assert np.array_equal(reader.get_tensor(name), final["var:" + shard["name"]]), name
   with run(tmp_path / "ck", tmp_path / "cut.npz", delay=1.0) as each:
     deadline = time.time() + 300
     for line in each.procs[0].stdout:

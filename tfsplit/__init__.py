@@ -47,3 +47,11 @@ def deferred_init():
   shards; see tfsplit.runtime.deferred."""
   from tfsplit.runtime.deferred import deferred_init as _deferred_init  # pylint: disable=import-outside-toplevel
   return _deferred_init()
+
+
+def load_into(variables, path):
+  """Fills an unsplit model's variables ({name: variable} or
+  [(variable, name)]) from a split's checkpoint, one variable at a time;
+  see tfsplit.runtime.checkpoint.load_into."""
+  from tfsplit.runtime.checkpoint import load_into as _load_into  # pylint: disable=import-outside-toplevel
+  return _load_into(variables, path)

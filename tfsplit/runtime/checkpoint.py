@@ -1,22 +1,32 @@
-"""Checkpoints of a split step: one file per device's shards plus the manifest.
+"""Checkpoints of a split step: its variables as slices of their full
+tensors in TF's own checkpoint format, plus tfsplit's manifest.
 
-    DIR/checkpoint                 {"latest": "ckpt-00000003"} (written last)
-    DIR/ckpt-00000003/manifest.json  the shard manifest, mesh, devices, step,
-                                     and which file holds which shard
-    DIR/ckpt-00000003/shards-<device>.npz   that device's shards
+    DIR/checkpoint                    TF's checkpoint state, naming
+                                      ckpt-00000003/variables (written last)
+    DIR/ckpt-00000003/variables.*     a TF tensor bundle (runtime/slices.py):
+                                      each variable under its name, each
+                                      distinct block of it written once
+    DIR/ckpt-00000003/manifest.json   the shard manifest, mesh, devices, step
 
-When every worker runs the script, each task writes its own part
-(`save_task`: its devices' files under ckpt-*/task-<k>/, renamed into place
-whole) and task 0 the manifest, which lists the parts; the checkpoint is
-complete, and named in DIR/checkpoint by the task that completes it, once
-every part is there.
+Plain TF reads it whole: `tf.train.load_checkpoint(DIR).get_tensor(name)`
+is a variable's full value, and `tfsplit.load_into` puts them into an
+unsplit model. Restoring, on this mesh or any other, reads each shard as
+its slice of the stored tensor, a few variables at a time (`chunks`): no
+process holds a full tensor set, and each reads only the stored blocks its
+own shards overlap.
+
+When every worker runs the script, each task writes the blocks whose first
+copy it holds (`save_task`: under ckpt-*/task-<k>/, renamed into place
+whole) and task 0 the manifest, which lists the parts; the task that finds
+every part there merges them into ckpt-*/variables (their data files are
+moved, not copied) and names the checkpoint in DIR/checkpoint.
 
 A checkpoint is written into a temporary directory beside its final name,
 fsynced and renamed into place, and only then named in DIR/checkpoint
 (atomically): a crash at any moment leaves the previous checkpoint the
-latest, complete one. Restoring into a step split over another mesh goes
-through full values (the saved manifest assembles them, the new one cuts
-them); a checkpoint of other variables is refused in one line.
+latest, complete one. A checkpoint of other variables, or of a variable
+of another shape, is refused in one line. Checkpoints of the first format
+(one .npz file per device) still load.
 """
 import json
 import os
@@ -28,19 +38,18 @@ import numpy as np
 
 from tfsplit.errors import TfsplitError
 from tfsplit.fileio import write_atomically
+from tfsplit.runtime import slices
 from tfsplit.sharding.tasks import task_of
 
 POINTER = "checkpoint"
 MANIFEST = "manifest.json"
-FORMAT = 1
+PREFIX = "variables"
+FORMAT = 2
+_MERGING = ".merging"
 
 
 class CheckpointError(TfsplitError):
   """A checkpoint that is missing, incomplete or does not fit the step."""
-
-
-def _device_file(device):
-  return "shards-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", device.strip("/")) + ".npz"
 
 
 def _fsync_dir(path):
@@ -56,23 +65,27 @@ def _fsync_dir(path):
     os.close(fd)
 
 
+def _reader(shard_values):
+  """read([shard name]) -> {shard name: value} over a dict or a callable."""
+  if callable(shard_values):
+    return shard_values
+  return lambda names: {n: shard_values[n] for n in names}
+
+
 def save(directory, manifest, shard_values, step, mesh=None, keep=2):
-  """Writes a checkpoint of `shard_values` ({shard name: value}) described by
-  `manifest` ({variable: entry}) as DIR/ckpt-<step>; returns its path.
-  mesh: {'axes': {...}, 'devices': [...]} to record; keep: how many of the
-  latest checkpoints to keep (older ones are removed; 0 keeps all)."""
+  """Writes a checkpoint of the shards described by `manifest` ({variable:
+  entry}) as DIR/ckpt-<step>; returns its path. shard_values: {shard name:
+  value}, or read([names]) -> such a dict (called once, for the blocks
+  written). mesh: {'axes': {...}, 'devices': [...]} to record; keep: how
+  many of the latest checkpoints to keep (older ones are removed; 0 keeps
+  all)."""
   os.makedirs(directory, exist_ok=True)
   name = f"ckpt-{int(step):08d}"
   final = os.path.join(directory, name)
   tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
   try:
-    files = _write_device_files(tmp, _by_device(manifest), shard_values)
-    meta = {"format": FORMAT, "step": int(step), "mesh": mesh, "variables": manifest,
-            "files": files}
-    with open(os.path.join(tmp, MANIFEST), "w", encoding="utf-8") as f:
-      json.dump(meta, f, sort_keys=True)
-      f.flush()
-      os.fsync(f.fileno())
+    slices.write(os.path.join(tmp, PREFIX), manifest, _reader(shard_values))
+    _write_manifest(tmp, manifest, step, mesh)
     _fsync_dir(tmp)
     if os.path.exists(final):
       shutil.rmtree(final)
@@ -85,108 +98,163 @@ def save(directory, manifest, shard_values, step, mesh=None, keep=2):
   return final
 
 
-def _complete(path):
-  """Whether the checkpoint at `path` has its manifest and every part."""
+def _write_manifest(where, manifest, step, mesh, parts=None):
+  meta = {"format": FORMAT, "step": int(step), "mesh": mesh, "variables": manifest,
+          "prefix": PREFIX}
+  if parts:
+    meta["parts"] = parts
+  write_atomically(os.path.join(where, MANIFEST), json.dumps(meta, sort_keys=True))
+
+
+def _read_meta(path):
   try:
     with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-      parts = json.load(f).get("parts") or []
-  except (OSError, ValueError, AttributeError):
+      meta = json.load(f)
+  except (OSError, ValueError):
+    return None
+  return meta if isinstance(meta, dict) else None
+
+
+def _complete(path):
+  """Whether the checkpoint at `path` has its manifest and all its values
+  (the merged bundle; the first format: every part)."""
+  meta = _read_meta(path)
+  if meta is None:
     return False
-  return all(os.path.isdir(os.path.join(path, p)) for p in parts)
+  if meta.get("format", 1) >= 2:
+    return os.path.exists(os.path.join(path, meta.get("prefix", PREFIX) + ".index"))
+  return all(os.path.isdir(os.path.join(path, p)) for p in meta.get("parts") or [])
 
 
 def latest(directory):
   """Path of the latest complete checkpoint in `directory`, or None."""
   try:
     with open(os.path.join(directory, POINTER), encoding="utf-8") as f:
-      name = json.load(f)["latest"]
-  except (OSError, ValueError, KeyError, TypeError):
+      text = f.read()
+  except OSError:
     return None
+  found = re.search(r'^model_checkpoint_path:\s*"([^"]+)"', text, re.M)
+  if found:   # TF's checkpoint state: the bundle's prefix
+    name = os.path.dirname(found.group(1))
+  else:       # the first format's {"latest": name}
+    try:
+      name = json.loads(text)["latest"]
+    except (ValueError, KeyError, TypeError):
+      return None
   path = os.path.join(directory, name)
-  return path if _complete(path) else None
-
-
-def _by_device(manifest):
-  by_device = {}
-  for entry in manifest.values():
-    for shard in entry["shards"]:
-      by_device.setdefault(shard["device"], []).append(shard["name"])
-  return by_device
-
-
-def _write_device_files(where, by_device, shard_values, prefix=""):
-  """Each device's shards into `where`; {shard: [file, key]} (file under prefix)."""
-  files = {}
-  for device, names in sorted(by_device.items()):
-    fname = _device_file(device)
-    if shard_values is not None:
-      arrays = {f"s{i}": np.asarray(shard_values[n]) for i, n in enumerate(names)}
-      with open(os.path.join(where, fname), "wb") as f:
-        np.savez(f, **arrays)
-        f.flush()
-        os.fsync(f.fileno())
-    for i, n in enumerate(names):
-      files[n] = [prefix + fname, f"s{i}"]
-  return files
+  return path if name and _complete(path) else None
 
 
 def _name_latest(directory, name, keep):
-  write_atomically(os.path.join(directory, POINTER), json.dumps({"latest": name}) + "\n")
-  if keep:
-    done = sorted(d for d in os.listdir(directory)
-                  if d.startswith("ckpt-") and os.path.isdir(os.path.join(directory, d)))
-    for old in done[:-keep]:
-      if old != name:
-        shutil.rmtree(os.path.join(directory, old), ignore_errors=True)
+  """Names `name` the latest checkpoint (TF's checkpoint state, which plain
+  TF reads too) and removes all but the `keep` latest (0: none)."""
+  done = sorted(d for d in os.listdir(directory)
+                if d.startswith("ckpt-") and os.path.isdir(os.path.join(directory, d)))
+  old = [d for d in (done[:-keep] if keep else []) if d != name]
+  kept = [d for d in done if d not in old and d != name and
+          _complete(os.path.join(directory, d))] + [name]
+  write_atomically(os.path.join(directory, POINTER),
+                   f'model_checkpoint_path: "{name}/{PREFIX}"\n' +
+                   "".join(f'all_model_checkpoint_paths: "{d}/{PREFIX}"\n' for d in kept))
+  for d in old:
+    shutil.rmtree(os.path.join(directory, d), ignore_errors=True)
 
 
 def save_task(directory, manifest, shard_values, step, task, mesh=None, keep=2):
-  """Task `task`'s part of DIR/ckpt-<step> (its devices' shards from
-  `shard_values`), written by that task alone; task 0 also writes the
-  manifest of every part. Returns the checkpoint's path."""
+  """Task `task`'s part of DIR/ckpt-<step>: the blocks whose first copy is
+  on its devices (values from `shard_values`, as in save), written by that
+  task alone; task 0 also writes the manifest of every part; the task that
+  finds every part there merges them. Returns the checkpoint's path."""
   final = os.path.join(directory, f"ckpt-{int(step):08d}")
   os.makedirs(final, exist_ok=True)
-  by_device = _by_device(manifest)
-  tasks = sorted({task_of(d) for d in by_device})
+  devices = {s["device"] for e in manifest.values() for s in e["shards"]}
+  tasks = sorted({task_of(d) for d in devices})
   part = os.path.join(final, f"task-{task}")
   tmp = tempfile.mkdtemp(prefix=f".task-{task}.", dir=final)
   try:
-    _write_device_files(tmp, {d: n for d, n in by_device.items() if task_of(d) == task},
-                        shard_values)
+    slices.write(os.path.join(tmp, PREFIX), manifest, _reader(shard_values),
+                 devices={d for d in devices if task_of(d) == task})
     _fsync_dir(tmp)
     if os.path.exists(part):
       shutil.rmtree(part)
     os.rename(tmp, part)
     if task == tasks[0]:
-      files = {}
-      for t in tasks:
-        files.update(_write_device_files(
-            None, {d: n for d, n in by_device.items() if task_of(d) == t}, None,
-            f"task-{t}/"))
-      meta = {"format": FORMAT, "step": int(step), "mesh": mesh, "variables": manifest,
-              "files": files, "parts": [f"task-{t}" for t in tasks]}
-      write_atomically(os.path.join(final, MANIFEST), json.dumps(meta, sort_keys=True))
+      _write_manifest(final, manifest, step, mesh, [f"task-{t}" for t in tasks])
     _fsync_dir(final)
   except BaseException:
     shutil.rmtree(tmp, ignore_errors=True)
     raise
-  if _complete(final):   # the last part written names it
+  if _merge_parts(final):   # the task that completes it merges and names it
     _name_latest(directory, os.path.basename(final), keep)
   return final
 
 
+def _merge_parts(path):
+  """Merges the parts of the checkpoint at `path` into its bundle once all
+  are there and its manifest too; True for the one task that did."""
+  meta = _read_meta(path)
+  parts = (meta or {}).get("parts") or []
+  if not parts or not all(os.path.isdir(os.path.join(path, p)) for p in parts):
+    return False
+  try:
+    fd = os.open(os.path.join(path, _MERGING), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+  except FileExistsError:
+    return False   # another task is merging it
+  os.close(fd)
+  prefixes = [os.path.join(path, p, PREFIX) for p in parts
+              if os.path.exists(os.path.join(path, p, PREFIX + ".index"))]
+  slices.merge(prefixes, os.path.join(path, PREFIX))
+  for p in parts:
+    shutil.rmtree(os.path.join(path, p), ignore_errors=True)
+  os.unlink(os.path.join(path, _MERGING))
+  _fsync_dir(path)
+  return True
+
+
+def _find(path):
+  """The checkpoint directory `path` names (itself, or the latest in it)."""
+  if os.path.exists(os.path.join(path, MANIFEST)):
+    return path
+  found = latest(path)
+  if found is None:
+    raise CheckpointError(f"no checkpoint in '{path}' (no {POINTER} file naming a "
+                          "complete checkpoint)")
+  return found
+
+
+class _Blocks(object):
+  """{saved shard name: value} of a sliced checkpoint, each read alone."""
+
+  def __init__(self, prefix, manifest):
+    self.prefix, self.manifest = prefix, manifest
+    self.of = {s["name"]: n for n, e in manifest.items() for s in e["shards"]}
+
+  def __getitem__(self, shard):
+    name = self.of[shard]
+    entry = dict(self.manifest[name])
+    entry["shards"] = [s for s in entry["shards"] if s["name"] == shard]
+    return next(slices.read(self.prefix, {name: entry}))[shard]
+
+  def __contains__(self, shard):
+    return shard in self.of
+
+  def keys(self):
+    return self.of.keys()
+
+
 def load(path):
   """(meta, {shard name: value}) of the checkpoint at `path` (a ckpt-*
-  directory, or a directory whose latest checkpoint is taken)."""
-  if not os.path.exists(os.path.join(path, MANIFEST)):
-    found = latest(path)
-    if found is None:
-      raise CheckpointError(f"no checkpoint in '{path}' (no {POINTER} file naming a "
-                            "complete checkpoint)")
-    path = found
+  directory, or a directory whose latest checkpoint is taken); for a sliced
+  checkpoint the values are read when asked for, each its own slice."""
+  path = _find(path)
+  meta = _read_meta(path)
   try:
-    with open(os.path.join(path, MANIFEST), encoding="utf-8") as f:
-      meta = json.load(f)
+    if meta is None:
+      raise ValueError(f"{MANIFEST} cannot be parsed")
+    if meta.get("format", 1) >= 2:
+      meta["path"] = path
+      return meta, _Blocks(os.path.join(path, meta.get("prefix", PREFIX)),
+                           meta["variables"])
     values, opened = {}, {}
     for shard, (fname, key) in meta["files"].items():
       if fname not in opened:
@@ -205,12 +273,9 @@ def _layout(manifest):
           for name, entry in manifest.items()}
 
 
-def convert(meta, saved_values, manifest):
-  """{shard name: value} for a step described by `manifest`, from a loaded
-  checkpoint: the same shards directly, another mesh's through full values.
-  Raises CheckpointError (one line) if the variables do not match."""
-  from tfsplit.runtime import shards as shards_lib  # pylint: disable=import-outside-toplevel
-  saved = meta["variables"]
+def _check_variables(saved, manifest):
+  """One line (CheckpointError) unless the checkpoint holds the step's
+  variables, each of the step's shape."""
   if set(saved) != set(manifest):
     missing = sorted(set(manifest) - set(saved))
     extra = sorted(set(saved) - set(manifest))
@@ -223,8 +288,92 @@ def convert(meta, saved_values, manifest):
     if list(saved[name]["shape"]) != list(entry["shape"]):
       raise CheckpointError(f"variable '{name}' has shape {saved[name]['shape']} in the "
                             f"checkpoint but {entry['shape']} in the step")
-  if _layout(saved) == _layout(manifest):
-    return {s["name"]: saved_values[s["name"]] for e in manifest.values()
-            for s in e["shards"]}
-  full = shards_lib.full_values(saved, saved_values)
-  return shards_lib.shard_values(manifest, full)
+
+
+def chunks(meta, saved_values, manifest, held=None):
+  """Yields {shard name: value} for the shards of `held` (default: all of
+  `manifest`, the step's), a few variables at a time (slices.BATCH_BYTES
+  of blocks): a sliced checkpoint's read as slices of the stored tensors,
+  whatever mesh wrote them; the first format's from the same shards, or
+  another mesh's through each variable's full value. Raises CheckpointError (one line) if the
+  variables do not match."""
+  from tfsplit.runtime import shards as shards_lib  # pylint: disable=import-outside-toplevel
+  saved = meta["variables"]
+  _check_variables(saved, manifest)
+  held = manifest if held is None else held
+  if isinstance(saved_values, _Blocks):
+    try:
+      yield from slices.read(saved_values.prefix, held)
+    except TfsplitError as e:
+      raise CheckpointError(str(e)) from None
+    return
+  same = _layout(saved) == _layout(manifest)
+  for name, entry in held.items():
+    if same:
+      yield {s["name"]: saved_values[s["name"]] for s in entry["shards"]}
+    else:
+      full = shards_lib.full_values({name: saved[name]}, saved_values)
+      yield shards_lib.shard_values({name: entry}, full)
+
+
+def convert(meta, saved_values, manifest):
+  """{shard name: value} for a step described by `manifest`, from a loaded
+  checkpoint (all of `chunks` at once)."""
+  out = {}
+  for chunk in chunks(meta, saved_values, manifest):
+    out.update(chunk)
+  return out
+
+
+def load_into(variables, path):
+  """Assigns each of `variables` its full value from the checkpoint at
+  `path` (a split's checkpoint directory or ckpt-* path, or any TF
+  checkpoint prefix keyed by these names), one variable at a time; returns
+  the checkpoint's step (None for a plain TF checkpoint). variables:
+  {name: tf.Variable} or [(tf.Variable, name)] (split()'s variable_names
+  form). Every variable is checked (present, same shape) before any is
+  assigned: a mismatch is one line and changes nothing."""
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import deferred as deferred_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import shards as shards_lib  # pylint: disable=import-outside-toplevel
+  named = dict((n, v) if isinstance(n, str) else (v, n) for n, v in
+               (variables.items() if isinstance(variables, dict) else variables))
+  step, prefix, old = None, path, None
+  if os.path.isdir(path):
+    found = _find(path)
+    meta = _read_meta(found)
+    step = meta.get("step") if meta else None
+    if meta and meta.get("format", 1) < 2:
+      old = load(found)
+    else:
+      prefix = os.path.join(found, (meta or {}).get("prefix", PREFIX))
+  if old is not None:   # the first format: per-device files
+    _check_loadable(named, {n: e["shape"] for n, e in old[0]["variables"].items()}, path)
+    for name, var in named.items():
+      entry = old[0]["variables"][name]
+      value = shards_lib.full_values({name: entry}, old[1])[name]
+      deferred_lib.refill(var, value)
+    return step
+  try:
+    reader = tf.train.load_checkpoint(prefix)
+  except (tf.errors.OpError, ValueError) as e:
+    raise CheckpointError(f"'{path}': cannot read the checkpoint "
+                          f"({str(e).splitlines()[0][:200]})") from None
+  _check_loadable(named, reader.get_variable_to_shape_map(), path)
+  for name, var in named.items():
+    deferred_lib.refill(var, reader.get_tensor(name))
+  return step
+
+
+def _check_loadable(named, stored, path):
+  missing = [n for n in named if n not in stored]
+  if missing:
+    raise CheckpointError(
+        f"checkpoint '{path}' has no variable '{missing[0]}'"
+        + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+        + "; it holds " + ", ".join(f"'{k}'" for k in sorted(stored)[:3])
+        + (" ..." if len(stored) > 3 else ""))
+  for name, var in named.items():
+    if list(stored[name]) != list(var.shape):
+      raise CheckpointError(f"variable '{name}' has shape {list(stored[name])} in checkpoint "
+                            f"'{path}' but {list(var.shape)} in the model")

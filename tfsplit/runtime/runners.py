@@ -133,8 +133,13 @@ class Runner(object):
   def save(self, directory, step, keep):
     """Checkpoints the shards into DIR/ckpt-<step>; returns its path."""
     mesh = self.result.mesh_record()
-    return checkpoint_lib.save(directory, self.manifest, self.shard_values(), step, mesh,
+    return checkpoint_lib.save(directory, self.manifest, self.shard_tensors, step, mesh,
                                keep)
+
+  def shard_tensors(self, names):
+    """{shard name: value} of the shards named, as cheaply as this runner
+    has them (what a checkpoint writes)."""
+    return self.read_shards(names)
 
 
 class LocalRunner(Runner):
@@ -171,6 +176,9 @@ class LocalRunner(Runner):
 
   def read_shards(self, names):
     return {n: self.variables[n].numpy() for n in names}
+
+  def shard_tensors(self, names):
+    return {n: self.variables[n].read_value() for n in names}
 
 
 class ClientRunner(Runner):
@@ -289,5 +297,5 @@ class TaskRunner(ClientRunner):
                     "tfsplit.runtime.shards.full_values_from_checkpoint)")
 
   def save(self, directory, step, keep):
-    return checkpoint_lib.save_task(directory, self.result.manifest, self.shard_values(),
+    return checkpoint_lib.save_task(directory, self.result.manifest, self.read_shards,
                                     step, self.task, self.result.mesh_record(), keep)

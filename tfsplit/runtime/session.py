@@ -72,12 +72,17 @@ class SessionRunner(object):
       self.assign_stream(values)
 
   def assign(self, values):
-    """Sets every variable (by recorded name) to values[name], in one run."""
-    missing = sorted(set(self._placeholders) - set(values))
-    if missing:
-      raise TfsplitError(f"no value for variable '{missing[0]}'")
-    self.session.run(self._init, feed_dict={p: values[n]
-                                            for n, p in self._placeholders.items()})
+    """Sets the variables named in `values` (by recorded name; a restore
+    gives one variable's shards at a time) to their values, in one run."""
+    unknown = sorted(set(values) - set(self._placeholders))
+    if unknown:
+      raise TfsplitError(f"no variable '{unknown[0]}' in the split graph")
+    if len(values) == len(self._placeholders):
+      self.session.run(self._init, feed_dict={p: values[n]
+                                              for n, p in self._placeholders.items()})
+    else:
+      self.session.run([self._assigns[n] for n in values],
+                       feed_dict={self._placeholders[n]: v for n, v in values.items()})
 
   def assign_stream(self, chunks):
     """Sets every variable from an iterable of {name: value} chunks (one

@@ -147,17 +147,20 @@ class SplitFunction(object):
     return outputs[0] if len(outputs) == 1 else outputs
 
   def save(self, directory, step, keep=2):
-    """Checkpoints every shard (one file per device) and the manifest into
-    DIR/ckpt-<step>, atomically; returns its path (runtime/checkpoint.py).
+    """Checkpoints the variables into DIR/ckpt-<step>, atomically, in TF's
+    checkpoint format (each distinct block once, as a slice of its full
+    tensor) with the manifest; returns its path (runtime/checkpoint.py).
     When every worker runs the script, each writes its own task's part."""
     return self.runner.save(directory, step, keep)
 
   def restore(self, directory):
     """Loads the latest checkpoint in `directory` (or a ckpt-* path) into the
-    shards, converting one of another mesh through full values; returns its
-    step."""
+    shards, a few variables at a time, each shard read as its slice of the
+    saved tensor, whatever mesh saved it (on a cluster, each worker its own
+    task's shards); returns its step."""
     meta, saved = checkpoint_lib.load(directory)
-    self.assign_shards(checkpoint_lib.convert(meta, saved, self.manifest))
+    for chunk in checkpoint_lib.chunks(meta, saved, self.manifest, self.runner.manifest):
+      self.assign_shards(chunk)
     return meta["step"]
 
   def assign_shards(self, values):

@@ -1,0 +1,208 @@
+"""Checkpoints by slices (runtime/checkpoint.py, runtime/slices.py): a
+split's checkpoint is TF's own format, each variable stored as blocks of its
+full tensor; plain TF reads every full value; a step on any other mesh (and
+the unsplit model) restores it, each shard read as its slice, and trains on
+exactly as an uninterrupted run; a restoring process reads only the blocks
+its shards need; bad checkpoints are one line and change nothing."""
+import os
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tfsplit
+from tfsplit.runtime import checkpoint
+from tfsplit.runtime import slices
+
+from models import seeded
+from _util import TIMEOUT, close
+
+STEPS, SAVED_AT = 4, 2
+# Wide enough that the bytes a restore reads are the blocks, not the index.
+CFG = seeded.TINY._replace(vocab=2000, width=64)
+
+
+def _keras():
+  import keras  # pylint: disable=import-outside-toplevel
+  return keras
+
+
+def _batches(gpt):
+  return [gpt.inputs(100 + i) for i in range(STEPS)]
+
+
+def _values(gpt):
+  return {name: v.numpy().copy() for v, name in gpt.variable_names()}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+  """(checkpoint dir, the saving split's full values, the uninterrupted
+  unsplit run's losses): a dp=2,tp=2 split with zero=1 (Adam) trained
+  SAVED_AT steps and saved."""
+  whole = seeded.build(_keras(), CFG, seed=0)
+  losses = [float(whole.train_step(*b)) for b in _batches(whole)]
+  gpt = seeded.build(_keras(), CFG, seed=0)
+  step = tfsplit.split(gpt.train_step, mesh="dp=2,tp=2", zero=1, split_embeddings=True,
+                       input_signature=gpt.signature, variable_names=gpt.variable_names(),
+                       timeout_seconds=TIMEOUT)
+  for b in _batches(gpt)[:SAVED_AT]:
+    step(*b)
+  directory = str(tmp_path_factory.mktemp("ck"))
+  path = step.save(directory, SAVED_AT)
+  # Something is really split: a weight over tp, a moment over dp (ZeRO).
+  assert any("tp" in e["sharding"] for e in step.manifest.values())
+  assert any("dp" in e["sharding"] for e in step.manifest.values())
+  return directory, path, step.full_values(), losses
+
+
+def test_plain_tf_reads_every_full_value(saved):
+  directory, path, full, _ = saved
+  assert sorted(os.listdir(path))[0] == "manifest.json"
+  reader = tf.train.load_checkpoint(directory)    # TF's own checkpoint state names it
+  assert tf.train.latest_checkpoint(directory) == os.path.join(path, checkpoint.PREFIX)
+  stored = reader.get_variable_to_shape_map()
+  assert set(stored) == set(full)
+  for name, value in full.items():
+    np.testing.assert_array_equal(reader.get_tensor(name), value, err_msg=name)
+
+
+@pytest.mark.parametrize("mesh,options", [
+    ("tp=4", {"split_embeddings": True}), ("pp=2", {}), ("dp=2", {}),
+    pytest.param("dp=2,tp=2", {"zero": 1, "split_embeddings": True},
+                 marks=pytest.mark.slow)])
+def test_restore_on_another_mesh_resumes_exactly(saved, mesh, options):
+  directory, _, full, want_losses = saved
+  gpt = seeded.build(_keras(), CFG, seed=1)   # other values: the checkpoint's must win
+  step = tfsplit.split(gpt.train_step, mesh=mesh, input_signature=gpt.signature,
+                       variable_names=gpt.variable_names(), timeout_seconds=TIMEOUT,
+                       **options)
+  assert step.restore(directory) == SAVED_AT
+  for name, value in step.full_values().items():
+    np.testing.assert_array_equal(value, full[name], err_msg=name)
+  losses = [float(step(*b)) for b in _batches(gpt)[SAVED_AT:]]
+  for i, (got, want) in enumerate(zip(losses, want_losses[SAVED_AT:])):
+    close(np.asarray(got), np.asarray(want), f"{mesh} step {SAVED_AT + i + 1} loss")
+
+
+def test_the_unsplit_model_loads_it_and_resumes_exactly(saved):
+  directory, _, full, want_losses = saved
+  gpt = seeded.build(_keras(), CFG, seed=1)
+  assert tfsplit.load_into(gpt.variable_names(), directory) == SAVED_AT
+  for name, value in _values(gpt).items():
+    np.testing.assert_array_equal(value, full[name], err_msg=name)
+  losses = [float(gpt.train_step(*b)) for b in _batches(gpt)[SAVED_AT:]]
+  for i, (got, want) in enumerate(zip(losses, want_losses[SAVED_AT:])):
+    close(np.asarray(got), np.asarray(want), f"unsplit step {SAVED_AT + i + 1} loss")
+
+
+def _bytes_read():
+  with open("/proc/self/io", encoding="utf-8") as f:
+    return next(int(l.split()[1]) for l in f if l.startswith("rchar:"))
+
+
+class _Wide(object):
+  """Four 1024 x 1024 Keras 3 Dense kernels and Adam (64 MiB of state): the
+  blocks a restore reads are large next to the reader's 1 MiB buffer."""
+
+  def __init__(self):
+    keras = _keras()
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((1024,))
+    x = inputs
+    for i in range(4):
+      x = keras.layers.Dense(1024, use_bias=False, activation="relu" if i < 3 else None,
+                             name=f"layer{i}")(x)
+    self.model = keras.Model(inputs, x)
+    self.optimizer = keras.optimizers.Adam(1e-3)
+    self.optimizer.build(self.model.trainable_variables)
+    self.signature = [tf.TensorSpec([8, 1024], tf.float32)] * 2
+
+    @tf.function
+    def step(x, y):
+      with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(self.model(x) - y))
+      variables = self.model.trainable_variables
+      self.optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+      return loss
+
+    self.step = step
+    self.names = [(v, v.path) for v in self.model.variables + self.optimizer.variables]
+
+  def split(self, mesh, **options):
+    return tfsplit.split(self.step, mesh=mesh, input_signature=self.signature,
+                         variable_names=self.names, timeout_seconds=TIMEOUT, **options)
+
+
+def test_a_process_reads_only_its_shards_blocks(tmp_path):
+  """The shards of one pipeline stage (what its worker holds) restored from
+  a dp=2,tp=2 checkpoint with zero=1: the bytes read are that stage's share
+  of the state, plus at most 10% (the bundle's index, small variables)."""
+  wide = _Wide()
+  x = np.random.default_rng(0).normal(size=(8, 1024)).astype(np.float32)
+  source = wide.split("dp=2,tp=2", zero=1)
+  source(x, x)
+  directory = str(tmp_path / "ck")
+  source.save(directory, 1)
+  step = wide.split("pp=2")
+  last = step.mesh.devices[-1]
+  held = {}
+  for name, entry in step.manifest.items():
+    mine = [s for s in entry["shards"] if s["device"] == last]
+    if mine:
+      held[name] = dict(entry, shards=mine)
+  share = sum(int(np.prod(s["shape"])) * np.dtype(held[n]["dtype"]).itemsize
+              for n, blocks in slices.blocks(held).items() for s in blocks)
+  total = sum(int(np.prod(e["shape"])) * np.dtype(e["dtype"]).itemsize
+              for e in step.manifest.values())
+  assert 0.4 * total < share < 0.6 * total
+  meta, values = checkpoint.load(directory)
+  before = _bytes_read()
+  got = {}
+  for chunk in checkpoint.chunks(meta, values, step.manifest, held):
+    got.update(chunk)
+  read = _bytes_read() - before
+  assert set(got) == {s["name"] for e in held.values() for s in e["shards"]}
+  assert share <= read <= 1.1 * share, (read, share, total)
+  full = source.full_values()
+  for name, entry in held.items():
+    for shard in entry["shards"]:
+      np.testing.assert_array_equal(got[shard["name"]], full[name], err_msg=name)
+
+
+def test_slice_strings_are_tfs():
+  assert slices.spec([4, 6], [0, 0], [4, 6]) == ""
+  assert slices.spec([], [], []) == ""
+  assert slices.spec([4, 6], [2, 0], [2, 6]) == "4 6 2,2:-"
+  assert slices.spec([4, 6], [0, 3], [4, 3]) == "4 6 -:3,3"
+
+
+def test_bad_checkpoints_are_one_line_and_change_nothing(saved, tmp_path):
+  directory, path, _, _ = saved
+  gpt = seeded.build(_keras(), CFG, seed=1)
+  before = _values(gpt)
+  # A model with one variable the checkpoint lacks, or of another shape.
+  named = gpt.variable_names()
+  extra = tf.Variable(np.zeros([3], np.float32))
+  with pytest.raises(checkpoint.CheckpointError, match="has no variable 'extra/bias'"):
+    tfsplit.load_into(named + [(extra, "extra/bias")], directory)
+  wrong = [(tf.Variable(np.zeros([5, 5], np.float32)) if n == "final_ln/gamma" else v, n)
+           for v, n in named]
+  with pytest.raises(checkpoint.CheckpointError, match=r"'final_ln/gamma' has shape \[64\]"):
+    tfsplit.load_into(wrong, directory)
+  for name, value in _values(gpt).items():
+    np.testing.assert_array_equal(value, before[name])
+  # A truncated data file: restoring names the variable it cannot read.
+  broken = tmp_path / "broken"
+  os.makedirs(broken)
+  for f in os.listdir(path):
+    data = open(os.path.join(path, f), "rb").read()
+    with open(broken / f, "wb") as out:
+      out.write(data[:len(data) // 3] if ".data-" in f else data)
+  step = tfsplit.split(gpt.train_step, mesh="tp=2", input_signature=gpt.signature,
+                       variable_names=gpt.variable_names(), timeout_seconds=TIMEOUT)
+  with pytest.raises(checkpoint.CheckpointError) as error:
+    step.restore(str(broken))
+  assert "\n" not in str(error.value) and "cannot be read" in str(error.value)
+  with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
+    step.restore(str(tmp_path / "nothing"))
