@@ -206,3 +206,87 @@ def test_bad_checkpoints_are_one_line_and_change_nothing(saved, tmp_path):
   assert "\n" not in str(error.value) and "cannot be read" in str(error.value)
   with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
     step.restore(str(tmp_path / "nothing"))
+
+
+# --- starting from pretrained weights, by slices ---------------------------------------------
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A model saved by plain Keras and TF before any step: (its .weights.h5,
+  its tf.train.Checkpoint prefix, its values, the loss of its first step)."""
+  root = tmp_path_factory.mktemp("pretrained")
+  gpt = seeded.build(_keras(), CFG, seed=0)
+  h5 = str(root / "gpt.weights.h5")
+  gpt.model.save_weights(h5)
+  prefix = tf.train.Checkpoint(model=gpt.model).write(str(root / "ckpt"))
+  values = {name: v.numpy().copy() for v, name in gpt.variable_names()
+            if v.trainable}
+  loss = float(gpt.train_step(*_batches(gpt)[0]))
+  return h5, prefix, values, loss
+
+
+@pytest.mark.parametrize("source", ["h5", "checkpoint"])
+def test_a_deferred_split_starts_from_plain_keras_and_tf_weights(pretrained, source):
+  """Built under deferred_init (nothing whole), split at tp=2 from the file:
+  every weight is the file's, the first loss the plain model's."""
+  h5, prefix, values, want = pretrained
+  with tfsplit.deferred_init():
+    gpt = seeded.build(_keras(), CFG, seed=1)
+  step = tfsplit.split(gpt.train_step, mesh="tp=2", split_embeddings=True,
+                       input_signature=gpt.signature, variable_names=gpt.variable_names(),
+                       timeout_seconds=TIMEOUT, weights=h5 if source == "h5" else prefix,
+                       weights_model=gpt.model)
+  assert step.deferred and step.manifest["embed/embeddings"]["sharding"][1] == "tp"
+  full = step.full_values()
+  for name, value in values.items():
+    np.testing.assert_array_equal(full[name], value, err_msg=name)
+  close(np.asarray(float(step(*_batches(gpt)[0]))), np.asarray(want), "first loss")
+
+
+def test_weights_of_another_model_are_one_line(pretrained, tmp_path):
+  h5, prefix, _, _ = pretrained
+  other = seeded.build(_keras(), CFG._replace(width=32), seed=0)
+  with pytest.raises(tfsplit.TfsplitError, match=r"has shape \[2000, 64\] in .* but "
+                     r"\[2000, 32\] in the model"):
+    tfsplit.split(other.train_step, mesh="tp=2", input_signature=other.signature,
+                  variable_names=other.variable_names(), weights=prefix)
+  deeper = seeded.build(_keras(), CFG._replace(blocks=3), seed=0)
+  with pytest.raises(tfsplit.TfsplitError, match="holds no value for variable 'block2_"):
+    tfsplit.split(deeper.train_step, mesh="tp=2", input_signature=deeper.signature,
+                  variable_names=deeper.variable_names(), weights=h5,
+                  weights_model=deeper.model)
+  broken = tmp_path / "broken.weights.h5"
+  broken.write_bytes(open(h5, "rb").read()[:1000])
+  with pytest.raises(tfsplit.TfsplitError, match="cannot read the weights file"):
+    tfsplit.split(other.train_step, mesh="tp=2", input_signature=other.signature,
+                  variable_names=other.variable_names(), weights=str(broken))
+
+
+def test_keras_split_fits_from_a_weights_file(tmp_path):
+  """tfsplit.keras.split(model, weights=...) of a model built under
+  deferred_init trains like the plain model loaded from the same file."""
+  keras = _keras()
+
+  def build(seed):
+    keras.utils.set_random_seed(seed)
+    inputs = keras.Input((16,))
+    hidden = keras.layers.Dense(32, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 16)).astype(np.float32)
+  y = rng.normal(size=(32, 4)).astype(np.float32)
+  h5 = str(tmp_path / "mlp.weights.h5")
+  build(0).save_weights(h5)
+  plain = build(1)
+  plain.load_weights(h5)
+  plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+  want = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+  with tfsplit.deferred_init():
+    model = build(2)
+  split_model = tfsplit.keras.split(model, mesh="tp=2", weights=h5, timeout_seconds=TIMEOUT)
+  split_model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+  got = split_model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+  assert split_model.split_step.manifest["hidden/kernel"]["sharding"] == [None, "tp"]
+  for epoch, (g, w) in enumerate(zip(got, want)):
+    close(np.asarray(g), np.asarray(w), f"epoch {epoch + 1} loss")

@@ -47,7 +47,9 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
     (gradients accumulated in the graph; with 'pp', the pipeline's).
   options: the other keyword arguments of tfsplit.split (schedule,
     layer_ranges, virtual_stages, recompute, zero, offload, bucket_bytes,
-    timeout_seconds, cluster, annotations), and plan="auto" (with devices=
+    timeout_seconds, cluster, annotations, weights: a model.save_weights
+    .weights.h5 or a TF checkpoint the first split starts from, each shard
+    read as its slice), and plan="auto" (with devices=
     and device_memory=) or plan="plan.json" instead of mesh: the planner
     chooses the mesh, micro-batches, schedule and memory passes from the
     training step traced at the first batch.
@@ -64,6 +66,9 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
   except TypeError as e:
     raise PlanError(str(e)) from None
   options = dict(options, strategy=strategy)
+  if options.get("weights") is not None:
+    # A .weights.h5 names its datasets by Keras's saving walk of the model.
+    options["weights_model"] = model
   if options.get("plan") is not None:
     # The plan picks the mesh and micro-batches from the traced step, so
     # they are known after the first batch (model.py reads them then).

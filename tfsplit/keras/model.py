@@ -206,7 +206,8 @@ class SplitModelMixin(object):
       written = _written_variables(step.original_graph_def)
       state.host_scalars = {name: var for name, var in step.original_variables.items()
                             if name not in written and int(np.prod(var.shape)) <= 1}
-      state.weights_at = MODEL
+      # Shards started from a weights file hold newer values than the model.
+      state.weights_at = MODEL if getattr(step, "weights", None) is None else SHARDS
     kind.steps[key] = step
     return step, flat
 

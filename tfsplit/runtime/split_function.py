@@ -14,6 +14,8 @@ step runs with one Grappler round (see graph_function.grappler_config): a
 pipelined one keeps its schedule's order so, and any split step starts
 sooner.
 """
+import itertools
+
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
 from tfsplit.graph.io import load_graph
@@ -93,7 +95,8 @@ class SplitFunction(object):
   # The split makes millions of small objects and no cycles: the GC's full
   # collections over them would only add pauses (0.1 s a split, median).
   @without_gc
-  def __init__(self, traced, config, runner, shares_with=None, plan=None, release=False):
+  def __init__(self, traced, config, runner, shares_with=None, plan=None, release=False,
+               weights=None, weights_model=None):
     self.plan = plan                  # the Plan that chose the config, if any
     self.release = release
     self.runner = runner
@@ -101,6 +104,12 @@ class SplitFunction(object):
     self.original_variables = traced.variables
     self._structured_outputs = traced.structured_outputs
     self.result = split_graph(traced.graph_def, runner.configure(config))
+    self.weights = None
+    if weights is not None and shares_with is None:
+      from tfsplit.runtime import weights as weights_lib  # pylint: disable=import-outside-toplevel
+      named = {n: self.original_variables[n] for n in self.result.manifest
+               if n in self.original_variables}
+      self.weights = weights_lib.open_weights(weights, named, weights_model)
     if shares_with is not None:
       # The same model traced for another input shape or kind of step (a
       # smaller last batch, evaluation): it runs on the first split's shards.
@@ -108,17 +117,23 @@ class SplitFunction(object):
     runner.start(traced.graph_def, self.result, self._initial_shards,
                  shares_with.runner if shares_with is not None else None)
 
-  def _initial_shards(self, manifest, release=None):
+  def _initial_shards(self, manifest, release=None, weights=True):
     """{shard name: value} chunks of `manifest`'s shards, one variable at a
-    time (runtime/deferred.stream): from a deferred variable's initializer,
-    or an original variable's current value (emptied after, on release)."""
+    time (runtime/deferred.stream): from the weights file given to split()
+    (each shard read as its slice), a deferred variable's initializer, or an
+    original variable's current value (emptied after, on release)."""
     held = {name: entry for name, entry in manifest.items() if entry["shards"]}
     missing = sorted(set(held) - set(self.original_variables))
     if missing:
       raise PlanError(f"no value for variable '{missing[0]}'; give every variable the "
                       "graph uses")
-    return deferred_lib.stream(held, self.original_variables,
+    loaded = {}
+    if weights and self.weights is not None:
+      loaded = {n: e for n, e in held.items() if n in self.weights.keys}
+    rest = deferred_lib.stream({n: e for n, e in held.items() if n not in loaded},
+                               self.original_variables,
                                self.release if release is None else release)
+    return itertools.chain(self.weights.chunks(loaded), rest) if loaded else rest
 
   config = property(lambda self: self.result.config, doc="The SplitConfig of the split.")
   mesh = property(lambda self: self.result.config.mesh, doc="The mesh, on its devices.")
@@ -221,14 +236,15 @@ class SplitFunction(object):
     """The inverse of assign_back: every shard from the current value of the
     original function's variable (after the user changed them)."""
     values = {}
-    for chunk in self._initial_shards(self.runner.manifest, release=False):
+    for chunk in self._initial_shards(self.runner.manifest, release=False, weights=False):
       values.update(chunk)
     self.assign_shards(values)
 
 
 def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, plan=None,
           devices=None, device_memory=None, hardware=None, memory_reserve=None,
-          variable_names=None, prepare=None, shares_with=None, release=False, **options):
+          variable_names=None, prepare=None, shares_with=None, release=False, weights=None,
+          weights_model=None, **options):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...,
@@ -262,6 +278,13 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
     value, so the process never holds the model twice (assign_back fills
     them again). A model made under tfsplit.deferred_init() holds nothing
     to release: each shard is made from its variable's initializer.
+  weights: start from the weights in this file instead of the variables'
+    values: a TF checkpoint (tf.train.Checkpoint, a name-based or a tfsplit
+    checkpoint) or a Keras .weights.h5 (weights_model: the Keras model it was
+    saved from, whose saving walk names its datasets; tfsplit.keras.split
+    passes it); each shard is read as its slice of the stored tensor
+    (runtime/weights.py). Every trainable variable must be there; the
+    optimizer's state not in the file starts from its initializer.
   """
   if config is not None and (options or plan is not None):
     raise TypeError("give split() either config= or mesh, plan and options, not both")
@@ -287,4 +310,5 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
     config = chosen.apply(SplitConfig(runner.place(chosen.mesh), **options))
   elif config is None:
     config = SplitConfig(runner.place(mesh), **options)
-  return SplitFunction(traced, config, runner, shares_with, chosen, release)
+  return SplitFunction(traced, config, runner, shares_with, chosen, release, weights,
+                       weights_model)
