@@ -201,9 +201,13 @@ def test_bad_checkpoints_are_one_line_and_change_nothing(saved, tmp_path):
       out.write(data[:len(data) // 3] if ".data-" in f else data)
   step = tfsplit.split(gpt.train_step, mesh="tp=2", input_signature=gpt.signature,
                        variable_names=gpt.variable_names(), timeout_seconds=TIMEOUT)
+  kept = step.shard_values()
   with pytest.raises(checkpoint.CheckpointError) as error:
     step.restore(str(broken))
-  assert "\n" not in str(error.value) and "cannot be read" in str(error.value)
+  assert "\n" not in str(error.value) and "is incomplete" in str(error.value) and \
+      "nothing was restored" in str(error.value)
+  for name, value in step.shard_values().items():
+    np.testing.assert_array_equal(value, kept[name], err_msg=name)
   with pytest.raises(checkpoint.CheckpointError, match="no checkpoint in"):
     step.restore(str(tmp_path / "nothing"))
 
@@ -290,3 +294,40 @@ def test_keras_split_fits_from_a_weights_file(tmp_path):
   assert split_model.split_step.manifest["hidden/kernel"]["sharding"] == [None, "tp"]
   for epoch, (g, w) in enumerate(zip(got, want)):
     close(np.asarray(g), np.asarray(w), f"epoch {epoch + 1} loss")
+
+
+def test_an_asynchronous_save_writes_the_values_of_its_step(tmp_path, monkeypatch):
+  """save(asynchronous=True) takes the values when called; the step that
+  runs while the thread writes (held back here until it has) changes none
+  of what is written, and the next save waits for it."""
+  gpt = seeded.build(_keras(), CFG, seed=0)
+  step = tfsplit.split(gpt.train_step, mesh="dp=2,tp=2", zero=1,
+                       input_signature=gpt.signature, variable_names=gpt.variable_names(),
+                       timeout_seconds=TIMEOUT)
+  batches = _batches(gpt)
+  step(*batches[0])
+  before = step.full_values()
+  started = []
+  write = slices.write
+
+  def held_back(*args, **kwargs):
+    import time  # pylint: disable=import-outside-toplevel
+    started.append(True)
+    time.sleep(1.0)    # the next step runs meanwhile
+    return write(*args, **kwargs)
+
+  monkeypatch.setattr(slices, "write", held_back)
+  pending = step.save(str(tmp_path), 1, asynchronous=True)
+  step(*batches[1])
+  assert started and not pending.done()
+  after = step.full_values()
+  assert any(not np.array_equal(after[n], before[n]) for n in before)
+  path = step.save(str(tmp_path), 2)       # waits for the first one
+  assert pending.done() and pending.wait().endswith("ckpt-00000001")
+  first = tf.train.load_checkpoint(os.path.join(os.path.dirname(path), "ckpt-00000001",
+                                                checkpoint.PREFIX))
+  for name, value in before.items():
+    np.testing.assert_array_equal(first.get_tensor(name), value, err_msg=name)
+  second = tf.train.load_checkpoint(str(tmp_path))
+  for name, value in after.items():
+    np.testing.assert_array_equal(second.get_tensor(name), value, err_msg=name)

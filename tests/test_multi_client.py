@@ -270,6 +270,40 @@ def test_dead_worker_ends_the_others_and_resume_is_exact(tmp_path):
     assert np.array_equal(full["losses"][first:], resumed["losses"])
 
 
+@pytest.mark.slow
+def test_a_job_resumes_on_another_mesh_from_each_tasks_part(tmp_path):
+  """Two workers each running the script save at dp=2 (each task its part,
+  merged into one TF checkpoint); restarted at pp=2, each task reads its
+  stage's slices and the losses go on as the uninterrupted dp=2 run's."""
+  def run(args):
+    with _Each(2, args) as each:
+      results = each.communicate(300)
+      for p, (out, err) in zip(each.procs, results):
+        assert p.returncode == 0, err[-3000:]
+      return [out for out, _ in results]
+
+  run(["--mesh", "dp=2", "--steps", "4", "--output", str(tmp_path / "full.npz")])
+  ckpt = str(tmp_path / "ck")
+  run(["--mesh", "dp=2", "--steps", "2", "--checkpoint_dir", ckpt, "--save_every", "2"])
+  assert tf.train.load_checkpoint(ckpt).get_variable_to_shape_map()
+  outs = run(["--mesh", "pp=2", "--steps", "4", "--checkpoint_dir", ckpt, "--output",
+              str(tmp_path / "resumed.npz")])
+  # The pp=2 job's own checkpoints: each stage's task wrote its part.
+  latest = tf.train.latest_checkpoint(ckpt)
+  assert os.path.basename(os.path.dirname(latest)) == "ckpt-00000004"
+  with open(os.path.join(os.path.dirname(latest), "manifest.json"), encoding="utf-8") as f:
+    saved = json.load(f)
+  assert {task_of(s["device"]) for e in saved["variables"].values()
+          for s in e["shards"]} == {0, 1}
+  assert set(tf.train.load_checkpoint(ckpt).get_variable_to_shape_map()) == \
+      set(saved["variables"])
+  want = np.load(tmp_path / "full.task0.npz")["losses"]
+  for k, out in enumerate(outs):
+    assert "resumed from step 2 " in out, out
+    got = np.load(tmp_path / f"resumed.task{k}.npz")["losses"]
+    np.testing.assert_allclose(got, want[2:], rtol=1e-4)
+
+
 @pytest.mark.parametrize("axes,per_task,options", [
     ({"dp": 2}, 1, {}), ({"dp": 2, "tp": 2}, 2, {"microbatches": 2}),
     ({"dp": 2}, 1, {"zero": 2, "microbatches": 2}), ({"dp": 4}, 2, {}),

@@ -302,6 +302,7 @@ def chunks(meta, saved_values, manifest, held=None):
   _check_variables(saved, manifest)
   held = manifest if held is None else held
   if isinstance(saved_values, _Blocks):
+    _check_complete(saved_values.prefix, saved)
     try:
       yield from slices.read(saved_values.prefix, held)
     except TfsplitError as e:
@@ -314,6 +315,22 @@ def chunks(meta, saved_values, manifest, held=None):
     else:
       full = shards_lib.full_values({name: saved[name]}, saved_values)
       yield shards_lib.shard_values({name: entry}, full)
+
+
+def _check_complete(prefix, saved):
+  """One line (CheckpointError) unless the bundle's data files hold every
+  block the saved manifest lists: a truncated or missing data file is found
+  before any shard is assigned, so a failed restore changes nothing."""
+  import glob  # pylint: disable=import-outside-toplevel
+  want = sum(int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(saved[n]["dtype"]).itemsize
+             for n, chosen in slices.blocks(saved).items() for s in chosen
+             if saved[n]["dtype"] not in ("string", "resource", "variant"))
+  files = glob.glob(glob.escape(prefix) + ".data-*")
+  have = sum(os.path.getsize(f) for f in files)
+  if have < want:
+    raise CheckpointError(
+        f"checkpoint '{os.path.dirname(prefix)}' is incomplete: its data files hold {have} "
+        f"bytes, its blocks {want}; nothing was restored (restore an earlier checkpoint)")
 
 
 def convert(meta, saved_values, manifest):

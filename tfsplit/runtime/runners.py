@@ -31,6 +31,7 @@ import numpy as np
 from tfsplit.errors import PlanError
 from tfsplit.layout.mesh import Mesh
 from tfsplit.runtime import checkpoint as checkpoint_lib
+from tfsplit.runtime import slices as slices_lib
 from tfsplit.runtime import cluster as cluster_lib
 from tfsplit.runtime import multi_client
 from tfsplit.runtime import placement
@@ -130,11 +131,15 @@ class Runner(object):
     """{variable name: numpy value} assembled from the shards."""
     return dict(self.iter_full_values())
 
-  def save(self, directory, step, keep):
-    """Checkpoints the shards into DIR/ckpt-<step>; returns its path."""
-    mesh = self.result.mesh_record()
-    return checkpoint_lib.save(directory, self.manifest, self.shard_tensors, step, mesh,
-                               keep)
+  def checkpoint_writer(self, directory, step, keep):
+    """A function that writes DIR/ckpt-<step> and returns its path, from the
+    values the shards hold now: each block's value is taken before this
+    returns (a tensor the next step's updates leave alone: TF copies a
+    variable's buffer before updating one still read), so it may run on
+    another thread while training goes on."""
+    names = [s["name"] for chosen in slices_lib.blocks(self.manifest).values() for s in chosen]
+    values, mesh = self.shard_tensors(names), self.result.mesh_record()
+    return lambda: checkpoint_lib.save(directory, self.manifest, values, step, mesh, keep)
 
   def shard_tensors(self, names):
     """{shard name: value} of the shards named, as cheaply as this runner
@@ -296,6 +301,13 @@ class TaskRunner(ClientRunner):
                     "full values are the checkpoint's (save(), then "
                     "tfsplit.runtime.shards.full_values_from_checkpoint)")
 
-  def save(self, directory, step, keep):
-    return checkpoint_lib.save_task(directory, self.result.manifest, self.read_shards,
-                                    step, self.task, self.result.mesh_record(), keep)
+  def checkpoint_writer(self, directory, step, keep):
+    """This task's part of the checkpoint: the blocks whose first copy its
+    devices hold, read now."""
+    manifest = self.result.manifest
+    own = {s["device"] for e in self.manifest.values() for s in e["shards"]}
+    names = [s["name"] for chosen in slices_lib.blocks(manifest).values() for s in chosen
+             if s["device"] in own]
+    values, mesh = self.read_shards(names), self.result.mesh_record()
+    return lambda: checkpoint_lib.save_task(directory, manifest, values, step, self.task,
+                                            mesh, keep)

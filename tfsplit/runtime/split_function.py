@@ -15,6 +15,7 @@ pipelined one keeps its schedule's order so, and any split step starts
 sooner.
 """
 import itertools
+import threading
 
 from tfsplit.errors import PlanError
 from tfsplit.graph import variables as variables_lib
@@ -161,18 +162,36 @@ class SplitFunction(object):
     outputs = self.runner.call(args)
     return outputs[0] if len(outputs) == 1 else outputs
 
-  def save(self, directory, step, keep=2):
+  def save(self, directory, step, keep=2, asynchronous=False):
     """Checkpoints the variables into DIR/ckpt-<step>, atomically, in TF's
     checkpoint format (each distinct block once, as a slice of its full
     tensor) with the manifest; returns its path (runtime/checkpoint.py).
-    When every worker runs the script, each writes its own task's part."""
-    return self.runner.save(directory, step, keep)
+    When every worker runs the script, each writes its own task's part.
+
+    asynchronous=True: the values are taken now and written by a thread
+    while training goes on; returns a PendingSave (wait() gives the path or
+    raises what the writing raised). One save is in flight at a time: the
+    next save or restore waits for it first. A crash while it writes leaves
+    the previous checkpoint the latest."""
+    self.wait_for_save()
+    write = self.runner.checkpoint_writer(directory, step, keep)
+    if not asynchronous:
+      return write()
+    self._pending = PendingSave(write)
+    return self._pending
+
+  def wait_for_save(self):
+    """Waits for an asynchronous save in flight (raising its error); its
+    path, or None if there was none."""
+    pending, self._pending = getattr(self, "_pending", None), None
+    return pending.wait() if pending is not None else None
 
   def restore(self, directory):
     """Loads the latest checkpoint in `directory` (or a ckpt-* path) into the
     shards, a few variables at a time, each shard read as its slice of the
     saved tensor, whatever mesh saved it (on a cluster, each worker its own
     task's shards); returns its step."""
+    self.wait_for_save()
     meta, saved = checkpoint_lib.load(directory)
     for chunk in checkpoint_lib.chunks(meta, saved, self.manifest, self.runner.manifest):
       self.assign_shards(chunk)
@@ -239,6 +258,36 @@ class SplitFunction(object):
     for chunk in self._initial_shards(self.runner.manifest, release=False, weights=False):
       values.update(chunk)
     self.assign_shards(values)
+
+
+class PendingSave(object):
+  """A checkpoint being written by its own thread (SplitFunction.save with
+  asynchronous=True). The thread is not a daemon: the interpreter waits for
+  it before exiting."""
+
+  def __init__(self, write):
+    self._path, self._error = None, None
+    self._thread = threading.Thread(target=self._run, args=(write,),
+                                    name="tfsplit-checkpoint")
+    self._thread.start()
+
+  def _run(self, write):
+    try:
+      self._path = write()
+    except BaseException as e:  # pylint: disable=broad-except
+      self._error = e
+
+  def done(self):
+    return not self._thread.is_alive()
+
+  def wait(self, timeout=None):
+    """The checkpoint's path once written (re-raising what writing raised)."""
+    self._thread.join(timeout)
+    if self._thread.is_alive():
+      raise TimeoutError(f"the checkpoint is still being written after {timeout} s")
+    if self._error is not None:
+      raise self._error
+    return self._path
 
 
 def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, plan=None,
