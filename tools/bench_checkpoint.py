@@ -7,7 +7,8 @@ The model is examples/models/seeded.py's GPT-2-style decoder (Keras 3, Adam;
 It is split over --mesh (default dp=2,tp=2 with zero=1) on logical CPUs,
 trained one step, then, --repeats times each (medians printed):
 - save: step.save (each distinct block once, into one TF bundle) against
-  np.savez of every device's shards (the first format), both fsynced;
+  np.savez of every device's shards (the first format), both fsynced, and
+  how long an asynchronous save holds the step up;
 - restore: step.restore of that checkpoint into a split over --restore-mesh
   (default pp=2, every shard read as its slice), its time and the bytes it
   read (rchar of /proc/self/io) against the bytes of state its shards hold.
@@ -97,10 +98,17 @@ def main(argv):
       _save_npz(os.path.join(root, f"npz{i}"), manifest, step.shard_values())
       npz.append(time.perf_counter() - t)
       shutil.rmtree(os.path.join(root, f"npz{i}"))
+    blocked = []
+    for i in range(FLAGS.repeats):
+      t = time.perf_counter()
+      pending = step.save(os.path.join(root, "async"), i + 1, keep=1, asynchronous=True)
+      blocked.append(time.perf_counter() - t)
+      pending.wait()
     size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     print(f"save: sliced {statistics.median(sliced):.2f} s ({size / 2**30:.2f} GiB on disk), "
           f"one .npz per device {statistics.median(npz):.2f} s; ratio "
-          f"{statistics.median(sliced) / statistics.median(npz):.2f}")
+          f"{statistics.median(sliced) / statistics.median(npz):.2f}; asynchronous: the step "
+          f"waits {statistics.median(blocked):.3f} s")
     other = seeded.build(keras, cfg, seed=1)
     target = tfsplit.split(other.train_step, mesh=FLAGS.restore_mesh,
                            input_signature=other.signature,

@@ -54,32 +54,51 @@ def _dtype(entry):
   return tf.as_dtype(entry["dtype"])
 
 
+# A variable up to this size whose blocks one writer holds is stored whole:
+# TF's reader reads each stored slice through a buffer of its own (1 MiB),
+# so many small slices would cost a buffer each on restore.
+WHOLE_BYTES = 4 << 20
+
+
 def write(prefix, manifest, read, devices=None):
   """Writes the blocks of `manifest` into the bundle at `prefix`; returns
-  the number written. read([shard name]) -> {shard name: value} (numpy or
-  tensors); devices: only the blocks whose first copy is on one of them (a
-  task's part), else all."""
-  names, specs, shard_names = [], [], []
+  the number of entries written. read([shard name]) -> {shard name: value}
+  (numpy or tensors); devices: only the blocks whose first copy is on one
+  of them (a task's part), else all. A small variable (WHOLE_BYTES) all of
+  whose blocks are written here is assembled and stored whole."""
+  entries = []   # (name, slice string, [(block shard, its slices)] or one shard)
   for name, chosen in blocks(manifest).items():
     entry = manifest[name]
-    for shard in chosen:
-      if devices is not None and shard["device"] not in devices:
-        continue
-      names.append(name)
-      specs.append(spec(entry["shape"], shard["offsets"], shard["shape"]))
-      shard_names.append(shard["name"])
-  if not names:
+    mine = [s for s in chosen if devices is None or s["device"] in devices]
+    if not mine:
+      continue
+    size = int(np.prod(entry["shape"], dtype=np.int64)) * _dtype(entry).size
+    if len(mine) > 1 and len(mine) == len(chosen) and size <= WHOLE_BYTES:
+      entries.append((name, "", mine))
+      continue
+    for shard in mine:
+      entries.append((name, spec(entry["shape"], shard["offsets"], shard["shape"]), [shard]))
+  if not entries:
     return 0
-  values = read(shard_names)
+  entries.sort(key=lambda e: (e[0], e[1]))
+  values = read([s["name"] for _, _, shards in entries for s in shards])
   tensors = []
-  for name, shard in zip(names, shard_names):
-    value = values[shard]
+  for name, slice_spec, shards in entries:
+    dtype = _dtype(manifest[name])
+    if slice_spec == "" and len(shards) > 1:   # a small variable, assembled
+      full = np.zeros(manifest[name]["shape"], dtype.as_numpy_dtype)
+      for s in shards:
+        full[tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["shape"]))] = \
+            np.asarray(values[s["name"]])
+      tensors.append(tf.constant(full, dtype=dtype))
+      continue
+    value = values[shards[0]["name"]]
     tensors.append(value if isinstance(value, tf.Tensor)
-                   else tf.constant(np.asarray(value), dtype=_dtype(manifest[name])))
+                   else tf.constant(np.asarray(value), dtype=dtype))
   with tf.device("/cpu:0"):
-    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=names, shape_and_slices=specs,
-                      tensors=tensors)
-  return len(names)
+    tf.raw_ops.SaveV2(prefix=prefix, tensor_names=[e[0] for e in entries],
+                      shape_and_slices=[e[1] for e in entries], tensors=tensors)
+  return len(entries)
 
 
 def merge(prefixes, prefix):
