@@ -331,3 +331,41 @@ def test_an_asynchronous_save_writes_the_values_of_its_step(tmp_path, monkeypatc
   second = tf.train.load_checkpoint(str(tmp_path))
   for name, value in after.items():
     np.testing.assert_array_equal(second.get_tensor(name), value, err_msg=name)
+
+
+def test_keras_split_with_release_holds_the_model_once(tmp_path):
+  """tfsplit.keras.split(model, release=True) of a model built whole: its
+  variables are emptied into the shards at the split (reading one then is
+  one line), fit trains like plain fit, and get_weights fills them again."""
+  keras = _keras()
+
+  def build():
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((64,))     # a 64 x 256 kernel: 64 KiB, worth emptying
+    hidden = keras.layers.Dense(256, activation="relu", name="hidden")(inputs)
+    return keras.Model(inputs, keras.layers.Dense(4, name="out")(hidden))
+
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(32, 64)).astype(np.float32)
+  y = rng.normal(size=(32, 4)).astype(np.float32)
+  plain = build()
+  plain.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+  want = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history["loss"]
+  model = build()
+  split_model = tfsplit.keras.split(model, mesh="tp=2", release=True, timeout_seconds=TIMEOUT)
+  split_model.compile(optimizer=keras.optimizers.Adam(1e-2), loss="mse")
+  got = split_model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0).history["loss"]
+  # Not pulled back at the epoch's end nor when fit returned: held once.
+  from tfsplit.runtime import deferred  # pylint: disable=import-outside-toplevel
+  with pytest.raises(Exception, match="was released to the shards"):
+    model.get_layer("hidden").kernel.numpy()
+  split_model.get_weights()     # asked: filled again
+  assert model.get_layer("hidden").kernel.numpy().shape == (64, 256)
+  got += split_model.fit(x, y, batch_size=8, epochs=1, shuffle=False,
+                         verbose=0).history["loss"]
+  with pytest.raises(deferred.DeferredValueError):   # emptied again by training
+    model.get_layer("hidden").kernel.value.numpy()
+  for epoch, (g, w) in enumerate(zip(got, want)):
+    close(np.asarray(g), np.asarray(w), f"epoch {epoch + 1} loss")
+  for g, w in zip(split_model.get_weights(), plain.get_weights()):
+    close(g, w, "weight after fit")

@@ -176,8 +176,11 @@ def test_stateful_initializers_draw_in_creation_order_even_past_unused_variables
 
 
 def test_release_hands_a_whole_model_over_to_its_shards():
-  gpt = seeded.build(_keras("keras3"), seed=0)
+  # Width 128: the MLP kernels are 256 KiB; a variable under 64 KiB (a norm's
+  # scale, the step counter) is kept, emptying it would save nothing.
+  gpt = seeded.build(_keras("keras3"), seeded.TINY._replace(width=128), seed=0)
   kernel = _tf_variable(gpt.model.get_layer("block0_up").kernel)
+  gamma = _tf_variable(gpt.model.get_layer("block0_ln1").gamma)
   start = kernel.numpy().copy()
   step = tfsplit.split(gpt.train_step, mesh="tp=2", input_signature=gpt.signature,
                        variable_names=gpt.variable_names(), timeout_seconds=TIMEOUT,
@@ -186,6 +189,7 @@ def test_release_hands_a_whole_model_over_to_its_shards():
   with pytest.raises(deferred_lib.DeferredValueError, match="'block0_up/kernel' was "
                      "released to the shards of a split"):
     kernel.numpy()
+  assert gamma.numpy().shape == (128,)
   assert not step.deferred
   close(step.full_values()["block0_up/kernel"], start, "kernel")
   step(*gpt.inputs(1))

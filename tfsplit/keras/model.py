@@ -144,6 +144,8 @@ class SplitModelMixin(object):
           state.step.assign_shards({shard["name"]: value
                                     for shard in state.step.manifest[name]["shards"]})
           state.pushed_scalars[name] = value
+    if writing and state.weights_at == BOTH and state.step.release:
+      state.step.release_originals()   # the model held once: in the shards
     state.weights_at = SHARDS if writing or state.weights_at == SHARDS else BOTH
 
   def _use_model(self, asked=True):
@@ -153,7 +155,7 @@ class SplitModelMixin(object):
     stay in the shards, never whole here (asked, assign_back refuses)."""
     state = self._tfsplit
     if state.weights_at == SHARDS:
-      if not asked and state.step.deferred:
+      if not asked and (state.step.deferred or state.step.release):
         return
       state.step.assign_back()
       state.weights_at = BOTH
@@ -206,8 +208,10 @@ class SplitModelMixin(object):
       written = _written_variables(step.original_graph_def)
       state.host_scalars = {name: var for name, var in step.original_variables.items()
                             if name not in written and int(np.prod(var.shape)) <= 1}
-      # Shards started from a weights file hold newer values than the model.
-      state.weights_at = MODEL if getattr(step, "weights", None) is None else SHARDS
+      # Shards started from a weights file hold newer values than the model;
+      # with release=True the model's variables were emptied into them.
+      state.weights_at = SHARDS if getattr(step, "weights", None) is not None or \
+          getattr(step, "release", False) else MODEL
     kind.steps[key] = step
     return step, flat
 

@@ -121,6 +121,15 @@ def empty(variable):
   variable.__class__ = _released_class(type(variable))
 
 
+def release_one(variable):
+  """Empties `variable` (its shards hold its value) unless it is small (a
+  step counter, a learning rate: emptying it saves nothing, and a training
+  loop may read it) or empty already."""
+  if getattr(variable, "tfsplit_class", None) is None and \
+      int(np.prod(variable.shape)) * variable.dtype.size >= _SMALL_BYTES:
+    empty(variable)
+
+
 def refill(variable, value):
   """Assigns `value` to a variable, emptied by `empty` or not."""
   original = getattr(variable, "tfsplit_class", None)
@@ -317,8 +326,9 @@ def stream(manifest, variables, release=False):
   """Yields {shard name: numpy value}, one variable of `manifest` at a time,
   from `variables` ({name: tf.Variable}): a deferred variable's from its
   record, any other's from its current value. With release=True, a
-  variable with memory is emptied once its chunk was taken (its shards
-  hold the values now); reading it again is an error, assigning fills it."""
+  variable with memory (of _SMALL_BYTES or more) is emptied once its chunk
+  was taken (its shards hold the values now); reading it again is an
+  error, assigning fills it."""
   def order(name):
     record = record_of(variables[name])
     return (0, record.seq) if record is not None else (1, 0)
@@ -334,5 +344,5 @@ def stream(manifest, variables, release=False):
     chunk = shards_lib.shard_values({name: entry}, {name: _value(variable, record)})
     yield chunk
     if release and record is None:
-      empty(variable)
+      release_one(variable)
 

@@ -251,6 +251,14 @@ class SplitFunction(object):
     for name, value in self.runner.iter_full_values():
       deferred_lib.refill(self.original_variables[name], value)
 
+  def release_originals(self):
+    """Empties the function's variables again (release=True) once the shards
+    hold newer values than what assign_back put there."""
+    for name in self.manifest:
+      variable = self.original_variables.get(name)
+      if variable is not None and deferred_lib.record_of(variable) is None:
+        deferred_lib.release_one(variable)
+
   def assign_from_originals(self):
     """The inverse of assign_back: every shard from the current value of the
     original function's variable (after the user changed them)."""
