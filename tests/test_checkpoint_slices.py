@@ -369,3 +369,30 @@ def test_keras_split_with_release_holds_the_model_once(tmp_path):
     close(np.asarray(g), np.asarray(w), f"epoch {epoch + 1} loss")
   for g, w in zip(split_model.get_weights(), plain.get_weights()):
     close(g, w, "weight after fit")
+
+
+@pytest.mark.parametrize("kind", ["h5", "checkpoint"])
+def test_a_tf_keras_model_starts_from_its_h5_or_checkpoint(tmp_path, kind):
+  """tf_keras: model.save_weights('m.h5') (layer/weight names) or a
+  tf.train.Checkpoint; the deferred split's first loss is the plain one."""
+  import tf_keras  # pylint: disable=import-outside-toplevel
+  gpt = seeded.build(tf_keras, seeded.TINY, seed=0)
+  if kind == "h5":
+    path = str(tmp_path / "m.h5")
+    gpt.model.save_weights(path)
+  else:
+    path = tf.train.Checkpoint(model=gpt.model).write(str(tmp_path / "ck"))
+  want = float(gpt.train_step(*gpt.inputs(100)))
+  with tfsplit.deferred_init():
+    other = seeded.build(tf_keras, seeded.TINY, seed=1)
+  step = tfsplit.split(other.train_step, mesh="tp=2", input_signature=other.signature,
+                       variable_names=other.variable_names(), timeout_seconds=TIMEOUT,
+                       weights=path, weights_model=other.model)
+  close(np.asarray(float(step(*other.inputs(100)))), np.asarray(want), "first loss")
+  if kind == "h5":
+    keras3_layout = str(tmp_path / "m.weights.h5")
+    gpt.model.save_weights(keras3_layout)
+    with pytest.raises(tfsplit.TfsplitError, match="matched by name only: save it as"):
+      tfsplit.split(other.train_step, mesh="tp=2", input_signature=other.signature,
+                    variable_names=other.variable_names(), weights=keras3_layout,
+                    weights_model=other.model)

@@ -14,9 +14,9 @@ Files:
   saved (tf.train.Checkpoint(model=...) of a Keras 3 or tf_keras model);
   RestoreV2 reads each block.
 - a Keras `.weights.h5` (model.save_weights): a variable is found at the
-  path Keras's own saving walk gives it in `model` (layers/dense/vars/0),
-  else at a dataset path ending in its name (tf_keras' layer/weight
-  names); h5py reads each block.
+  path Keras 3's own saving walk gives it in `model` (layers/dense/vars/0),
+  else at a dataset path ending in its name (tf_keras' .h5 files:
+  layer/weight names); h5py reads each block.
 
 Every variable of the model the file does not hold is one line; one of its
 optimizer (slots, step counter) starts from its initializer. A variable
@@ -61,7 +61,11 @@ def open_weights(path, variables, model=None, required=None):
         + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
         + f"; it holds {', '.join(repr(k) for k in source.names()[:3])}"
         + (" ..." if len(source.names()) > 3 else "")
-        + "; give the weights of this model (its own save_weights / checkpoint)")
+        + "; give the weights of this model (its own save_weights / checkpoint)"
+        + ("; a tf_keras model's .weights.h5 is matched by name only: save it as "
+           "'model.h5' or with tf.train.Checkpoint(model=model)"
+           if model is not None and type(model).__module__.startswith("tf_keras") and
+           path.endswith(".weights.h5") else ""))
   for name, key in source.keys.items():
     stored = source.shape(key)
     if list(stored) != list(variables[name].shape):
@@ -176,9 +180,13 @@ class _H5Weights(object):
 
 
 def _keras_paths(model):
-  """{id(tf.Variable): its dataset path in model.save_weights' file}, from
-  Keras 3's own saving walk (nothing is read or written); {} for a model it
-  does not walk (tf_keras)."""
+  """{id(tf.Variable): its dataset path in model.save_weights' .weights.h5},
+  from Keras 3's own saving walk of `model`, run with a store that records
+  where each variable would go and reads or writes nothing; {} for a
+  tf_keras model (its walk reads every value: its variables are found by
+  name, as in its .h5 files) or when the walk fails."""
+  if type(model).__module__.startswith("tf_keras"):
+    return {}   # its walk reads every value (tf_keras stores numpy copies)
   try:
     from keras.src.saving import saving_lib  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -205,9 +213,9 @@ def _keras_paths(model):
       return True
 
   try:
-    saving_lib._save_state(model, weights_store=_Recorder(), assets_store=None,  # pylint: disable=protected-access
-                           inner_path="", visited_saveables=set())
-  except (TypeError, AttributeError, ValueError) as e:
+    # (saveable, weights_store, assets_store, inner_path, visited saveables)
+    saving_lib._save_state(model, _Recorder(), None, "", set())  # pylint: disable=protected-access
+  except (TypeError, AttributeError, ValueError, TfsplitError) as e:
     logging.warning("the Keras saving walk of '%s' failed (%s): variables are matched "
                     "by name", getattr(model, "name", model), e)
     return {}
