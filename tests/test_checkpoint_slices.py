@@ -396,3 +396,16 @@ def test_a_tf_keras_model_starts_from_its_h5_or_checkpoint(tmp_path, kind):
       tfsplit.split(other.train_step, mesh="tp=2", input_signature=other.signature,
                     variable_names=other.variable_names(), weights=keras3_layout,
                     weights_model=other.model)
+
+
+def test_a_split_starts_from_another_splits_checkpoint_folder(saved):
+  """weights= one checkpoint's folder (ckpt-*) or the folder of all of them:
+  every variable (the optimizer's too) starts from it."""
+  directory, path, full, _ = saved
+  for source in (path, directory):
+    gpt = seeded.build(_keras(), CFG, seed=1)
+    step = tfsplit.split(gpt.train_step, mesh="tp=2", input_signature=gpt.signature,
+                         variable_names=gpt.variable_names(), timeout_seconds=TIMEOUT,
+                         weights=source)
+    for name, value in step.full_values().items():
+      np.testing.assert_array_equal(value, full[name], err_msg=name)

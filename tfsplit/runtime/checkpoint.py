@@ -322,9 +322,7 @@ def _check_complete(prefix, saved):
   block the saved manifest lists: a truncated or missing data file is found
   before any shard is assigned, so a failed restore changes nothing."""
   import glob  # pylint: disable=import-outside-toplevel
-  want = sum(int(np.prod(s["shape"], dtype=np.int64)) * np.dtype(saved[n]["dtype"]).itemsize
-             for n, chosen in slices.blocks(saved).items() for s in chosen
-             if saved[n]["dtype"] not in ("string", "resource", "variant"))
+  want = slices.stored_bytes(saved)
   files = glob.glob(glob.escape(prefix) + ".data-*")
   have = sum(os.path.getsize(f) for f in files)
   if have < want:

@@ -54,6 +54,17 @@ def _dtype(entry):
   return tf.as_dtype(entry["dtype"])
 
 
+def stored_bytes(manifest):
+  """Bytes of the distinct blocks of `manifest`'s numeric variables: what
+  a bundle of them holds in its data files."""
+  total = 0
+  for name, chosen in blocks(manifest).items():
+    dtype = _dtype(manifest[name])
+    if dtype.is_numpy_compatible and dtype not in (tf.string, tf.resource, tf.variant):
+      total += sum(int(np.prod(s["shape"], dtype=np.int64)) for s in chosen) * dtype.size
+  return total
+
+
 # A variable up to this size whose blocks one writer holds is stored whole:
 # TF's reader reads each stored slice through a buffer of its own (1 MiB),
 # so many small slices would cost a buffer each on restore.

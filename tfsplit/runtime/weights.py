@@ -30,6 +30,7 @@ import tensorflow as tf
 from absl import logging
 
 from tfsplit.errors import TfsplitError
+from tfsplit.runtime import checkpoint as checkpoint_lib
 from tfsplit.runtime import slices
 
 _OBJECT_GRAPH = "_CHECKPOINTABLE_OBJECT_GRAPH"
@@ -82,7 +83,10 @@ class _TfWeights(object):
   """A TF checkpoint: keys by name, or by the object graph's recorded names."""
 
   def __init__(self, path, variables):
-    prefix = tf.train.latest_checkpoint(path) if os.path.isdir(path) else path
+    prefix = path
+    if os.path.isdir(path):   # a checkpoint's folder, or one split checkpoint's
+      whole = os.path.join(path, checkpoint_lib.PREFIX)
+      prefix = whole if os.path.exists(whole + ".index") else tf.train.latest_checkpoint(path)
     if prefix is None:
       raise WeightsError(f"'{path}': no TF checkpoint there (no 'checkpoint' file naming "
                          "one); give the checkpoint's prefix (.../ckpt-1) or its folder")
