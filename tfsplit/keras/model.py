@@ -210,8 +210,7 @@ class SplitModelMixin(object):
                             if name not in written and int(np.prod(var.shape)) <= 1}
       # Shards started from a weights file hold newer values than the model;
       # with release=True the model's variables were emptied into them.
-      state.weights_at = SHARDS if getattr(step, "weights", None) is not None or \
-          getattr(step, "release", False) else MODEL
+      state.weights_at = SHARDS if step.weights is not None or step.release else MODEL
     kind.steps[key] = step
     return step, flat
 

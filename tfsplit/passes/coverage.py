@@ -78,9 +78,7 @@ def shortfall(result, loops=()):
     if config.strategy != "megatron" and not annotated:
       why = f"strategy '{config.strategy}' and no annotation names {a.axis}"
     elif result.fallbacks:
-      first = result.fallbacks[0]
-      why = (f"{len(result.fallbacks)} op(s) fell back to replication, first node "
-             f"'{first.node}' (op {first.op}): {first.reason}")
+      why = _fallbacks(result)
     elif loops:
       why = (f"no weight contraction outside the loops kept whole ("
              + ", ".join(f"'{l}'" for l in loops[:3]) + ")")
@@ -90,6 +88,13 @@ def shortfall(result, loops=()):
     return (f"mesh axis {a.axis}={a.size} splits no variable of {a.total_variables} "
             f"({a.total_bytes / 2**20:.3g} MiB): {why}; every device holds every weight")
   return None
+
+
+def _fallbacks(result):
+  """Why a split did less: its fallbacks to replication, the first named."""
+  first = result.fallbacks[0]
+  return (f"{len(result.fallbacks)} op(s) fell back to replication, first node "
+          f"'{first.node}' (op {first.op}): {first.reason}")
 
 
 # Below this share of the bytes its weight contractions read, a tp axis
@@ -121,9 +126,7 @@ def short_of(result, could, loops=()):
     why = ("an embedding table split_embeddings leaves whole (its rows are updated "
            "sparsely, cast to a 16-bit type, or its width does not divide)")
   elif result.fallbacks:
-    first = result.fallbacks[0]
-    why = (f"{len(result.fallbacks)} op(s) fell back to replication, first node "
-           f"'{first.node}' (op {first.op}): {first.reason}")
+    why = _fallbacks(result)
   elif loops:
     why = "loops kept whole (" + ", ".join(f"'{l}'" for l in loops[:3]) + ")"
   else:

@@ -65,18 +65,10 @@ def _fsync_dir(path):
     os.close(fd)
 
 
-def _reader(shard_values):
-  """read([shard name]) -> {shard name: value} over a dict or a callable."""
-  if callable(shard_values):
-    return shard_values
-  return lambda names: {n: shard_values[n] for n in names}
-
-
 def save(directory, manifest, shard_values, step, mesh=None, keep=2):
   """Writes a checkpoint of the shards described by `manifest` ({variable:
   entry}) as DIR/ckpt-<step>; returns its path. shard_values: {shard name:
-  value}, or read([names]) -> such a dict (called once, for the blocks
-  written). mesh: {'axes': {...}, 'devices': [...]} to record; keep: how
+  value} (of the blocks written at least: slices.blocks). mesh: {'axes': {...}, 'devices': [...]} to record; keep: how
   many of the latest checkpoints to keep (older ones are removed; 0 keeps
   all)."""
   os.makedirs(directory, exist_ok=True)
@@ -84,7 +76,7 @@ def save(directory, manifest, shard_values, step, mesh=None, keep=2):
   final = os.path.join(directory, name)
   tmp = tempfile.mkdtemp(prefix=f".{name}.", dir=directory)
   try:
-    slices.write(os.path.join(tmp, PREFIX), manifest, _reader(shard_values))
+    slices.write(os.path.join(tmp, PREFIX), manifest, shard_values)
     _write_manifest(tmp, manifest, step, mesh)
     _fsync_dir(tmp)
     if os.path.exists(final):
@@ -172,7 +164,7 @@ def save_task(directory, manifest, shard_values, step, task, mesh=None, keep=2):
   part = os.path.join(final, f"task-{task}")
   tmp = tempfile.mkdtemp(prefix=f".task-{task}.", dir=final)
   try:
-    slices.write(os.path.join(tmp, PREFIX), manifest, _reader(shard_values),
+    slices.write(os.path.join(tmp, PREFIX), manifest, shard_values,
                  devices={d for d in devices if task_of(d) == task})
     _fsync_dir(tmp)
     if os.path.exists(part):
@@ -222,30 +214,18 @@ def _find(path):
   return found
 
 
-class _Blocks(object):
-  """{saved shard name: value} of a sliced checkpoint, each read alone."""
+class _Bundle(object):
+  """A sliced checkpoint's tensor bundle, which `chunks` reads by slices."""
 
-  def __init__(self, prefix, manifest):
-    self.prefix, self.manifest = prefix, manifest
-    self.of = {s["name"]: n for n, e in manifest.items() for s in e["shards"]}
-
-  def __getitem__(self, shard):
-    name = self.of[shard]
-    entry = dict(self.manifest[name])
-    entry["shards"] = [s for s in entry["shards"] if s["name"] == shard]
-    return next(slices.read(self.prefix, {name: entry}))[shard]
-
-  def __contains__(self, shard):
-    return shard in self.of
-
-  def keys(self):
-    return self.of.keys()
+  def __init__(self, prefix):
+    self.prefix = prefix
 
 
 def load(path):
-  """(meta, {shard name: value}) of the checkpoint at `path` (a ckpt-*
-  directory, or a directory whose latest checkpoint is taken); for a sliced
-  checkpoint the values are read when asked for, each its own slice."""
+  """(meta, values) of the checkpoint at `path` (a ckpt-* directory, or a
+  directory whose latest checkpoint is taken): values, {shard name: value}
+  for the first format; for a sliced one, a handle on its bundle, which
+  `chunks` reads shard by shard."""
   path = _find(path)
   meta = _read_meta(path)
   try:
@@ -253,8 +233,7 @@ def load(path):
       raise ValueError(f"{MANIFEST} cannot be parsed")
     if meta.get("format", 1) >= 2:
       meta["path"] = path
-      return meta, _Blocks(os.path.join(path, meta.get("prefix", PREFIX)),
-                           meta["variables"])
+      return meta, _Bundle(os.path.join(path, meta.get("prefix", PREFIX)))
     values, opened = {}, {}
     for shard, (fname, key) in meta["files"].items():
       if fname not in opened:
@@ -301,7 +280,7 @@ def chunks(meta, saved_values, manifest, held=None):
   saved = meta["variables"]
   _check_variables(saved, manifest)
   held = manifest if held is None else held
-  if isinstance(saved_values, _Blocks):
+  if isinstance(saved_values, _Bundle):
     _check_complete(saved_values.prefix, saved)
     try:
       yield from slices.read(saved_values.prefix, held)

@@ -90,8 +90,7 @@ class SessionRunner(object):
     values exist at once; every variable must be set."""
     done = set()
     for chunk in chunks:
-      self.session.run([self._assigns[n] for n in chunk],
-                       feed_dict={self._placeholders[n]: v for n, v in chunk.items()})
+      self.assign(chunk)
       done.update(chunk)
     missing = sorted(set(self._placeholders) - done)
     if missing:

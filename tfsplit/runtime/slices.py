@@ -14,7 +14,7 @@ process's shards need, never a full tensor set.
 
     spec(shape, offsets, size)      the slice string of one block
     blocks(manifest)                {variable: [shard]}: one shard per block
-    write(prefix, manifest, read, devices=None)  the blocks (those whose
+    write(prefix, manifest, values, devices=None)  the blocks (those whose
                                     first copy is on `devices`) into a bundle
     merge(prefixes, prefix)         several writers' bundles into one
     read(prefix, manifest, keys)    {shard: value}, a few variables at a time
@@ -71,11 +71,11 @@ def stored_bytes(manifest):
 WHOLE_BYTES = 4 << 20
 
 
-def write(prefix, manifest, read, devices=None):
+def write(prefix, manifest, values, devices=None):
   """Writes the blocks of `manifest` into the bundle at `prefix`; returns
-  the number of entries written. read([shard name]) -> {shard name: value}
-  (numpy or tensors); devices: only the blocks whose first copy is on one
-  of them (a task's part), else all. A small variable (WHOLE_BYTES) all of
+  the number of entries written. values: {shard name: value} (numpy or
+  tensors) of the blocks written; devices: only the blocks whose first
+  copy is on one of them (a task's part), else all. A small variable (WHOLE_BYTES) all of
   whose blocks are written here is assembled and stored whole."""
   entries = []   # (name, slice string, [(block shard, its slices)] or one shard)
   for name, chosen in blocks(manifest).items():
@@ -92,7 +92,6 @@ def write(prefix, manifest, read, devices=None):
   if not entries:
     return 0
   entries.sort(key=lambda e: (e[0], e[1]))
-  values = read([s["name"] for _, _, shards in entries for s in shards])
   tensors = []
   for name, slice_spec, shards in entries:
     dtype = _dtype(manifest[name])
@@ -173,9 +172,18 @@ def _restore(prefix, manifest, keys):
     raise TfsplitError(f"checkpoint '{prefix}': variables {', '.join(sorted(manifest)[:3])}"
                        f"{' ...' if len(manifest) > 3 else ''} cannot be read "
                        f"({str(e).splitlines()[0][:200]})") from None
-  by_block = {(n, tuple(s["offsets"]), tuple(s["shape"])): v.numpy()
-              for (n, s), v in zip(wanted, values)}
-  return {s["name"]: by_block[(n, tuple(s["offsets"]), tuple(s["shape"]))]
+  return spread(manifest, {block_key(n, s): v.numpy() for (n, s), v in zip(wanted, values)})
+
+
+def block_key(name, shard):
+  """The key of the block `shard` of variable `name` holds (its copies share it)."""
+  return name, tuple(shard["offsets"]), tuple(shard["shape"])
+
+
+def spread(manifest, by_block):
+  """{shard name: value} of every shard of `manifest`, from {block_key:
+  value} of its distinct blocks (blocks()): each copy gets its block's."""
+  return {s["name"]: by_block[block_key(n, s)]
           for n, entry in manifest.items() for s in entry["shards"]}
 
 

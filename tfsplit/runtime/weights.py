@@ -72,7 +72,8 @@ def open_weights(path, variables, model=None, required=None):
     if list(stored) != list(variables[name].shape):
       raise WeightsError(f"variable '{name}' has shape {list(stored)} in '{path}' (as "
                          f"'{key}') but {list(variables[name].shape)} in the model")
-  unused = [k for k in source.names() if k not in set(source.keys.values())]
+  used = set(source.keys.values())
+  unused = [k for k in source.names() if k not in used]
   if unused:
     logging.warning("%d variable(s) of '%s' match nothing in the model and are not "
                     "loaded, the first: '%s'", len(unused), path, unused[0])
@@ -174,13 +175,12 @@ class _H5Weights(object):
       for s in chosen:
         block = tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["shape"]))
         try:
-          values[(tuple(s["offsets"]), tuple(s["shape"]))] = np.asarray(
-              dataset[block] if block else dataset[()])
+          values[slices.block_key(name, s)] = np.asarray(dataset[block] if block
+                                                         else dataset[()])
         except (OSError, ValueError) as e:
           raise WeightsError(f"'{self.path}': variable '{name}' cannot be read ({e})") \
               from None
-      yield {s["name"]: values[(tuple(s["offsets"]), tuple(s["shape"]))]
-             for s in manifest[name]["shards"]}
+      yield slices.spread({name: manifest[name]}, values)
 
 
 def _keras_paths(model):
