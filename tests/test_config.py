@@ -35,8 +35,8 @@ def test_config_has_one_spelling_per_option():
   assert config.annotations == {"*/k": ("tp", None)} and config.layer_ranges == [(0, 1)]
   record = json.loads(json.dumps(config.to_json()))
   assert record["mesh"] == {"dp": 2} and set(record) == {"mesh", *SplitConfig.options()}
-  with pytest.raises(PlanError, match="zero must be 0, 1 or 2"):
-    config.replace(zero=3)
+  with pytest.raises(PlanError, match="zero must be 0, 1, 2 or 3"):
+    config.replace(zero=4)
 
 
 def test_every_option_flag_of_rewrite_fills_its_field():

@@ -306,9 +306,9 @@ def test_checkpoint_conversion_knows_where_each_slot_block_lives():
     ("tp=2", 1, r"zero=1 shards optimizer state over the data axis, but mesh tp=2 has no "
                 r"'dp' axis of 2 or more; add one"),
     ("dp=1,tp=2", 2, r"mesh dp=1,tp=2 has no 'dp' axis of 2 or more"),
-    ("dp=2", 3, r"zero must be 0, 1 or 2 .*got 3"),
-    ("dp=2", True, r"zero must be 0, 1 or 2 .*got True"),
-    ("dp=2", "1", r"zero must be 0, 1 or 2 .*got '1'"),
+    ("dp=2", 4, r"zero must be 0, 1, 2 or 3 .*got 4"),
+    ("dp=2", True, r"zero must be 0, 1, 2 or 3 .*got True"),
+    ("dp=2", "1", r"zero must be 0, 1, 2 or 3 .*got '1'"),
 ])
 def test_bad_zero_is_one_line(mesh, stage, match):
   graph_def = load_graph(TRAIN)

@@ -60,8 +60,12 @@ def define_flags(fv):
                       flag_values=fv)
   flags.DEFINE_integer("zero", 0, "Optimizer-state sharding over dp: 1 keeps 1/dp of "
                        "the optimizer slots per replica (gradients reduce-scattered, "
-                       "updates all-gathered), 2 also each micro-batch's gradient sum; "
+                       "updates all-gathered), 2 also each micro-batch's gradient sum, "
+                       "3 (FSDP) also the weights, gathered just before they are read; "
                        "0 off. Needs a dp axis of 2 or more.", flag_values=fv)
+  flags.DEFINE_integer("zero-prefetch", 1, "With --zero 3: how many layers ahead a weight "
+                       "gather may run (1: layer i+1's while layer i computes).",
+                       flag_values=fv)
   flags.DEFINE_enum("offload", "none", ["none", "optimizer"], "CPU offload: optimizer "
                     "keeps the optimizer slots and their update ops on each device's "
                     "host CPU (CPU:0 of its task), the weights on the device.",

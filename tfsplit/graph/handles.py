@@ -114,3 +114,52 @@ def variables_used_by(graph, op, var_nodes, roles, limit):
       elif roles.get(src) == constants.UPDATE:
         walk.follow([src])
   return found
+
+
+def gathers_as_reads(graph_def, graph, handles):
+  """(GraphDef, the number rewritten): `graph_def` (indexed as `graph`) with
+  each ResourceGather of a variable in `handles` written as a ReadVariableOp
+  of the variable and a GatherV2 of the value, under the gather's name (the
+  same rows, the same gradient), so a variable split where the gather has
+  no rule for it is read whole by the gather alone."""
+  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+  var_nodes = set(handles)
+  targets = [n.name for n in graph.nodes if n.op == "ResourceGather" and n.input and
+             handle_of(graph, n.input[0], var_nodes) is not None]
+  if not targets:
+    return graph_def, 0
+  out = graph_pb2.GraphDef()
+  out.CopyFrom(graph_def)
+  wanted = set(targets)
+  added = []
+  for node in out.node:
+    if node.name not in wanted:
+      continue
+    read, axis = graph.unique_name(f"{node.name}/read"), graph.unique_name(f"{node.name}/axis")
+    dtype, batch_dims = node.attr["dtype"].type, node.attr["batch_dims"].i
+    r = graph_pb2.GraphDef().node.add()
+    r.name, r.op, r.device = read, "ReadVariableOp", node.device
+    r.input.append(node.input[0])
+    r.attr["dtype"].type = dtype
+    a = graph_pb2.GraphDef().node.add()
+    a.name, a.op, a.device = axis, "Const", node.device
+    a.attr["dtype"].type = 3   # int32
+    a.attr["value"].tensor.dtype = 3
+    a.attr["value"].tensor.int_val.append(batch_dims)
+    tindices = node.attr["Tindices"].type
+    controls = [t for t in node.input if t.startswith("^")]
+    indices = node.input[1]
+    node.op = "GatherV2"
+    del node.input[:]
+    node.input.extend([read, indices, axis] + controls)
+    for key in list(node.attr):
+      if not key.startswith("_"):
+        del node.attr[key]
+    node.attr["Tparams"].type = dtype
+    node.attr["Tindices"].type = tindices
+    node.attr["Taxis"].type = 3
+    node.attr["batch_dims"].i = batch_dims
+    added += [r, a]
+  out.node.extend(added)
+  return out, len(targets)
+

@@ -72,7 +72,12 @@ class SplitConfig:
   zero: optimizer-state sharding over the 'dp' axis (sharding/zero.py): 0
     off; 1 each replica keeps 1/dp of the optimizer slots (gradients
     reduce-scattered into them, updates all-gathered); 2 also keeps each
-    micro-batch's gradient sum as its block only.
+    micro-batch's gradient sum as its block only; 3 (FSDP) also splits
+    the trainable weights over dp, each gathered whole just before its
+    forward readers and again for its backward readers.
+  zero_prefetch: zero=3 only: how many layers ahead a weight gather may run
+    (1: layer i+1's gather while layer i computes; about prefetch + 2
+    layers' weights are whole at once); without micro-batches or stages.
   offload: None or 'optimizer': the optimizer slots and the update ops that
     compute only from them and the gradients live on each device's host CPU
     (memory/offload.py); offload_device names one host for every device
@@ -119,6 +124,7 @@ class SplitConfig:
   bucket_bytes: int = DEFAULT_BUCKET_BYTES
   recompute: object = None
   zero: int = 0
+  zero_prefetch: int = 1
   offload: Optional[str] = None
   offload_device: Optional[str] = None
   task: Optional[int] = None
@@ -173,8 +179,13 @@ class SplitConfig:
       raise PlanError(f"unknown stage balance '{self.balance}'; choose one of: "
                       f"{', '.join(BALANCES)}")
     z = self.zero
-    if isinstance(z, bool) or not isinstance(z, numbers.Integral) or z not in (0, 1, 2):
-      raise PlanError(f"zero must be 0, 1 or 2 (optimizer-state sharding stage), got {z!r}")
+    if isinstance(z, bool) or not isinstance(z, numbers.Integral) or z not in (0, 1, 2, 3):
+      raise PlanError(f"zero must be 0, 1, 2 or 3 (optimizer-state sharding stage; 3: "
+                      f"weights too), got {z!r}")
+    p = self.zero_prefetch
+    if isinstance(p, bool) or not isinstance(p, numbers.Integral) or p < 0:
+      raise PlanError(f"zero_prefetch must be a non-negative integer (layers a weight "
+                      f"gather may run ahead), got {p!r}")
     if z and self.mesh.axes.get(constants.DATA_AXIS, 1) < 2:
       raise PlanError(f"zero={z} shards optimizer state over the data axis, but mesh "
                       f"{self.mesh} has no '{constants.DATA_AXIS}' axis of 2 or more; add "

@@ -57,8 +57,9 @@ def axis_line(result):
     if a.kind == "stages":
       what += f"the layers into {len(result.partition or ()) or a.size} model chunks"
     elif a.kind == "batch":
-      what += "the batch" + (f" and {a.variables} optimizer-state variables"
-                             if a.variables else "")
+      what += "the batch" + (f" and {a.variables} variables "
+                             f"({'weights and ' if result.config.zero >= 3 else ''}"
+                             "optimizer state)" if a.variables else "")
     else:
       what += (f"{a.variables} of {a.total_variables} variables "
                f"({a.bytes / 2**20:.3g} of {a.total_bytes / 2**20:.3g} MiB)")

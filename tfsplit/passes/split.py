@@ -61,6 +61,7 @@ from tfsplit.graph.fold import fold_and_expand
 from tfsplit.graph.functions import CONTROL_FLOW_OPS
 from tfsplit.graph.counted_reductions import counted_logical_reductions
 from tfsplit.graph.gradients import rowwise_gradients
+from tfsplit.graph.handles import gathers_as_reads
 from tfsplit.graph.ir import inputs_come_first, without_gc
 from tfsplit.memory import offload as offload_lib
 from tfsplit.memory import recompute as recompute_lib
@@ -178,6 +179,13 @@ def recompute_activations(state):
 
 def plan_variables(state):
   config, mesh, analysis = state.config, state.mesh, state.analysis
+  if config.zero >= 3:
+    # A gather straight from a weight's handle has no rule for a weight
+    # split over dp: it reads the weight, then gathers (the same rows).
+    params = {h for layer in analysis.layers.layers for h in layer.variables}
+    graph_def, rewritten = gathers_as_reads(analysis.graph_def, analysis.graph, params)
+    if rewritten:
+      analysis.replace(graph_def, known_shapes=dict(analysis.shapes.by_node))
   axis = config.split_axis(mesh)
   if config.strategy == "megatron" and axis is not None:
     state.plan.update(megatron_plan(analysis.graph, analysis.shapes, analysis.variables,
@@ -248,11 +256,20 @@ def shard_optimizer_state(state):
   if not state.config.zero:
     return
   analysis, specs = state.analysis, state.propagation.variable_specs
-  state.zero = zero_lib.plan_zero(analysis, state.propagation, state.mesh,
-                                  state.config.zero)
-  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero))
+  config = state.config
+  state.zero = zero_lib.plan_zero(analysis, state.propagation, state.mesh, config.zero)
+  prefetch = config.zero_prefetch
+  if state.zero.weights and (config.stages > 1 or
+                             state.mesh.axes.get(constants.MICROBATCH_AXIS, 1) > 1):
+    # A gate on an earlier layer's readers would wait for every micro-batch's.
+    logging.warning("zero=3: weight gathers are not ordered layer by layer with %s (each "
+                    "runs when the step starts); zero_prefetch applies without them",
+                    "pipeline stages" if config.stages > 1 else "micro-batches")
+    prefetch = None
+  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero, prefetch))
   state.plan = {handle: tuple(spec.dims) for handle, spec in specs.items()}
   state.plan.update(state.zero.dims)
+  state.plan.update(state.zero.weights)
   state.explicit = dict(state.plan)
   propagate_layouts(state)
 

@@ -29,6 +29,24 @@ with no free dimension that divides by the axis size (no padding: blocks
 stay equal, as every sharding here), one touched by an op with no rule for a
 split variable (a sparse update's ResourceScatterAdd, a fused
 ResourceApplyAdam updating it with its weight), and scalars (step counters).
+
+Stage 3 (FSDP) splits the trainable weights themselves over the data axis,
+each along the first dimension free of other splits that divides by it
+(dimension 0 where it can: the gather is then a plain concatenation), and
+their slots the same way, so the update runs on the block and the weight is
+assigned in place. Each read of a weight is constrained, for its forward
+readers, to the weight's sharding without the data axis (an all-gather);
+its backward readers get their own gather, gated on the gradient arriving
+(sharding/gathers.py), so a whole weight lives from its gather to its last
+reader in one pass, not from the forward to the backward. The gradient is
+reduce-scattered into the block as in stages 1-2. With `prefetch` p (and no
+micro-batches or pipeline, whose blocks the gates would tie together), the
+forward gather of the weights of layer i waits for the forward readers of
+layer i-1-p's gathered weights: layer i+1's gather runs while layer i
+computes (p=1), and about p+2 layers' weights are whole at once.
+What stays whole (`ZeroPlan.weights_kept`, reported): a weight read by an op
+with no rule for a split variable (ResourceGather), a scalar, one with no
+free dimension that divides.
 """
 import collections
 import dataclasses
@@ -40,7 +58,8 @@ from tfsplit import constants
 from tfsplit.graph.handles import (BoundedWalk, handle_of, handle_users,
                                    variables_read_by)
 from tfsplit.graph.ir import parse_input
-from tfsplit.layout.spec import Constraint, insert_constraints
+from tfsplit.layout.spec import Constraint, axis_parts, join_parts
+from tfsplit.sharding.gathers import GatherEdits
 
 # Ops a split slot may meet (each has a rule for a split variable).
 _SLOT_OPS = frozenset(["ReadVariableOp", "AssignVariableOp", "AssignAddVariableOp",
@@ -49,7 +68,13 @@ _SLOT_OPS = frozenset(["ReadVariableOp", "AssignVariableOp", "AssignAddVariableO
 # an update reads.
 _MAX_SEARCH = 512
 SLOT_OF_KEY = "optimizer_slot_of"   # manifest: slot variable -> its weight
-KEPT_KEY = "zero_kept"              # manifest: why a slot is whole over the data axis
+KEPT_KEY = "zero_kept"              # manifest: why a slot (or a weight at stage 3)
+                                    # is whole over the data axis
+WEIGHT_KEY = "zero_weight"          # manifest: a weight stage 3 considered
+# Ops that read a weight split over the data axis at stage 3 (each has a rule
+# for a split variable): reads, constrained whole for the forward and
+# backward, and the update's writes.
+_WEIGHT_OPS = _SLOT_OPS
 
 
 @dataclasses.dataclass
@@ -60,6 +85,11 @@ class ZeroPlan:
   dims: Dict[str, tuple]                   # slot handle -> its dims (with the axis)
   kept: Dict[str, str]                     # slot handle -> why it stays whole
   gradients: Dict[Tuple[str, int], tuple]  # gradient tensor -> dims it is scattered into
+  # Stage 3: weight handle -> its dims (with the axis), and as it is read
+  # (without it); a weight that stays whole -> why.
+  weights: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+  weight_base: Dict[str, tuple] = dataclasses.field(default_factory=dict)
+  weights_kept: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def optimizer_slots(analysis):
@@ -84,50 +114,170 @@ def optimizer_slots(analysis):
 
 
 def plan_zero(analysis, propagation, mesh, stage, axis=constants.DATA_AXIS):
-  """ZeroPlan splitting the slots over `axis`, from the propagation of
-  shardings without it."""
+  """ZeroPlan splitting the slots (and at stage 3 the trainable weights)
+  over `axis`, from the propagation of shardings without it."""
   graph = analysis.graph
   var_nodes = {v.node: v for v in analysis.variables}
   variable_specs = propagation.variable_specs
   n = mesh.axes[axis]
   slot_of = optimizer_slots(analysis)
   users = handle_users(graph, set(var_nodes))
+
+  def base_of(handle):
+    shape = tuple(var_nodes[handle].shape or ())
+    return tuple(variable_specs[handle].dims) if handle in variable_specs else \
+        (None,) * len(shape)
+
+  weights, weights_kept = {}, {}
+  if stage >= 3:
+    params = sorted({h for layer in analysis.layers.layers for h in layer.variables})
+    for weight in params:
+      dims, why = _split_over(tuple(var_nodes[weight].shape or ()), base_of(weight),
+                              sorted({u.op for u in users[weight]} - _WEIGHT_OPS), axis, n,
+                              mesh)
+      if dims is None:
+        weights_kept[weight] = why
+      else:
+        weights[weight] = dims
   dims, kept = {}, {}
   for slot in sorted(slot_of):
-    var = var_nodes[slot]
-    shape = tuple(var.shape or ())
-    base = tuple(variable_specs[slot].dims) if slot in variable_specs else \
-        (None,) * len(shape)
-    other = sorted({node.op for node in users[slot]} - _SLOT_OPS)
-    if not shape:
-      kept[slot] = "a scalar"
-    elif other:
-      kept[slot] = f"updated by {', '.join(other)}, which has no rule for a split variable"
-    elif axis in base:
-      kept[slot] = f"already split over {axis}"
+    other = sorted({u.op for u in users[slot]} - _SLOT_OPS)
+    if slot_of[slot] in weights and not other and \
+        tuple(var_nodes[slot].shape or ()) == tuple(var_nodes[slot_of[slot]].shape or ()):
+      dims[slot] = weights[slot_of[slot]]   # the update runs on the weight's block
+      continue
+    new, why = _split_over(tuple(var_nodes[slot].shape or ()), base_of(slot), other, axis,
+                           n, mesh if stage >= 3 else None)
+    if new is None:
+      kept[slot] = why
     else:
-      free = [i for i, (size, a) in enumerate(zip(shape, base))
-              if a is None and size is not None and size % n == 0 and size >= n]
-      if free:
-        new = list(base)
-        new[free[0]] = axis
-        dims[slot] = tuple(new)
-      else:
-        kept[slot] = (f"no dimension of {list(shape)} free of other splits divides by "
-                      f"{axis}={n}")
+      dims[slot] = new
+  scattered = dict(dims)
+  scattered.update(weights)
   return ZeroPlan(stage, axis, slot_of, dims, kept,
-                  _gradient_constraints(analysis, propagation, mesh, axis, dims, var_nodes,
-                                        users))
+                  _gradient_constraints(analysis, propagation, mesh, axis, scattered,
+                                        var_nodes, users),
+                  weights, {w: base_of(w) for w in weights}, weights_kept)
 
 
-def constrain_gradients(analysis, plan):
+def _split_over(shape, base, other_ops, axis, n, mesh=None):
+  """(dims of a variable of `shape` sharded `base`, also split over `axis`
+  (size n) on its first free dimension that divides, None) or (None, why
+  it stays whole); `other_ops` read it with no rule for a split variable.
+  With `mesh` (stage 3), a dimension already split may be split over
+  `axis` too."""
+  if not shape:
+    return None, "a scalar"
+  if other_ops:
+    return None, f"updated by {', '.join(other_ops)}, which has no rule for a split variable" \
+        if all(o.startswith(("ResourceApply", "ResourceSparseApply", "ResourceScatter"))
+               for o in other_ops) else \
+        f"read by {', '.join(other_ops)}, which has no rule for a split variable"
+  if axis in base:
+    return None, f"already split over {axis}"
+  free = [i for i, (size, a) in enumerate(zip(shape, base))
+          if a is None and size is not None and size % n == 0 and size >= n]
+  new = list(base)
+  if free:
+    new[free[0]] = axis
+    return tuple(new), None
+  if mesh is not None:
+    # The same dimension split further (a tp-split bias: 'tp*dp'), where
+    # its block divides.
+    for i, (size, a) in enumerate(zip(shape, base)):
+      if a is not None and size is not None and size % (mesh.size_of(a) * n) == 0:
+        new[i] = join_parts(axis_parts(a) + [axis])
+        return tuple(new), None
+  return None, f"no dimension of {list(shape)} free of other splits divides by {axis}={n}"
+
+
+def constrain_gradients(analysis, plan, prefetch=None):
   """(GraphDef, known shapes) of the analysis' graph with a sharding
   constraint after each gradient of `plan.gradients`: an Identity its
   consumers read instead, named after the gradient (its scope, so its role
-  and layer, are the gradient's)."""
-  return insert_constraints(analysis.graph_def, analysis.graph, analysis.shapes, [
+  and layer, are the gradient's); at stage 3 also the gathers of each split
+  weight's reads, for the forward (gated `prefetch` layers ahead, None: not
+  gated) and again for the backward."""
+  edits = GatherEdits(analysis.graph, analysis.shapes, analysis.roles)
+  edits.constraints.extend(
       Constraint(f"{src}/zero_shard" + (f"_{port}" if port else ""), (src, port), dims)
-      for (src, port), dims in sorted(plan.gradients.items())])
+      for (src, port), dims in sorted(plan.gradients.items()))
+  if plan.weights:
+    _weight_gathers(analysis, plan, edits, prefetch)
+  return edits.graph_def(analysis.graph_def, f"zero={plan.stage}")
+
+
+def _weight_gathers(analysis, plan, edits, prefetch):
+  """Adds to `edits` the forward and backward gathers of every read of the
+  weights `plan` splits (stage 3)."""
+  graph, roles = analysis.graph, analysis.roles
+  var_nodes = {v.node for v in analysis.variables}
+  reads = collections.defaultdict(list)   # weight -> [(read, its forward readers)]
+  for node in graph.nodes:
+    if node.op not in constants.VARIABLE_READ_OPS or not node.input:
+      continue
+    weight = handle_of(graph, node.input[0], var_nodes)
+    if weight not in plan.weights:
+      continue
+    forward = frozenset(c.name for c in graph.consumer_nodes(node.name)
+                        if roles.get(c.name) not in (constants.BACKWARD, constants.UPDATE))
+    if forward:
+      reads[weight].append((node.name, forward))
+  gates = _prefetch_gates(analysis, reads, prefetch) if prefetch is not None else {}
+  for weight in sorted(reads):
+    base = plan.weight_base[weight]
+    for read, forward in reads[weight]:
+      edits.constraints.append(Constraint(f"{read}/fsdp_gather", (read, 0), base, forward,
+                                          gates.get(weight, ())))
+      edits.gather_again(read, base, forward, "fsdp")
+
+
+def _prefetch_gates(analysis, reads, prefetch):
+  """{weight: forward nodes its forward gather waits for}. A weight's uses
+  are the first nodes its reads reach that also compute from the step's
+  inputs (through views of the weight alone, a tied head's Transpose), its
+  position the earliest of them in topological order; weights are grouped
+  by the layer that first reads them and the groups ordered by position.
+  The gather of group j waits for the uses of group j - 1 - `prefetch`
+  that come before group j's position: none of those can depend on the
+  gather, so the gate adds no cycle."""
+  graph, roles = analysis.graph, analysis.roles
+  order = graph.topological_order()
+  index = {name: i for i, name in enumerate(order)}
+  from_inputs = set()
+  for name in order:
+    node = graph.node(name)
+    if node.op == "Placeholder" or any(s in from_inputs for s, _ in graph.data_inputs(name)):
+      from_inputs.add(name)
+  uses = {}
+  for weight, weight_reads in reads.items():
+    found = set()
+    walk = BoundedWalk([r for _, forward in weight_reads for r in forward], _MAX_SEARCH)
+    for name in walk:
+      if name in from_inputs:
+        found.add(name)
+      elif roles.get(name) == constants.FORWARD:
+        walk.follow(c.name for c in graph.consumer_nodes(name))
+    if found:
+      uses[weight] = found
+  layers = analysis.layers
+  groups = collections.defaultdict(set)   # first reading layer -> its weights
+  for weight in uses:
+    readers = layers.variable_readers.get(weight) or [None]
+    groups[readers[0]].add(weight)
+  position = {layer: min(index[u] for w in ws for u in uses[w])
+              for layer, ws in groups.items()}
+  ordered = sorted(groups, key=lambda layer: position[layer])
+  gates = {}
+  for j, layer in enumerate(ordered):
+    if j - 1 - prefetch < 0:
+      continue
+    earlier = ordered[j - 1 - prefetch]
+    gate = sorted(u for w in groups[earlier] for u in uses[w] if index[u] < position[layer])
+    for weight in groups[layer]:
+      if gate:
+        gates[weight] = tuple(gate)
+  return gates
 
 
 def annotate_manifest(manifest, plan, variables):
@@ -141,18 +291,27 @@ def annotate_manifest(manifest, plan, variables):
     entry[SLOT_OF_KEY] = names.get(weight, weight)
     if slot in plan.kept:
       entry[KEPT_KEY] = plan.kept[slot]
+  for weight in set(plan.weights) | set(plan.weights_kept):
+    entry = manifest.get(names.get(weight))
+    if entry is None:
+      continue
+    entry[WEIGHT_KEY] = True
+    if weight in plan.weights_kept:
+      entry[KEPT_KEY] = plan.weights_kept[weight]
 
 
-def optimizer_state_bytes(manifest, axes, axis=constants.DATA_AXIS):
+def optimizer_state_bytes(manifest, axes, axis=constants.DATA_AXIS, key=SLOT_OF_KEY):
   """({device id: bytes of optimizer slots it holds}, the same without the
   split over `axis`: plain data parallelism), from a manifest whose slots
-  are marked (annotate_manifest)."""
+  are marked (annotate_manifest); with key=WEIGHT_KEY the same of the
+  weights stage 3 considered."""
   held, plain = collections.Counter(), collections.Counter()
   for entry in manifest.values():
-    if SLOT_OF_KEY not in entry:
+    if key not in entry:
       continue
     size = np.dtype(entry["dtype"]).itemsize
-    whole = [a if a != axis else None for a in entry["sharding"]]
+    whole = [join_parts([p for p in axis_parts(a) if p != axis]) if a else None
+             for a in entry["sharding"]]
     local = [s // _size(axes, a) for s, a in zip(entry["shape"], whole)]
     for shard in entry["shards"]:
       held[shard["device_id"]] += int(np.prod(shard["shape"], dtype=np.int64)) * size
@@ -170,8 +329,15 @@ def summary(manifest, axes, stage, axis=constants.DATA_AXIS):
   kept = {name: e[KEPT_KEY] for name, e in manifest.items() if KEPT_KEY in e}
   lines = [f"  optimizer state (zero={stage} over {axis}={axes.get(axis, 1)}): "
            f"{_mib(most)} per device, {_mib(plain_most)} with plain data parallelism "
-           f"({most / max(plain_most, 1):.2f}x); {len(kept)} of "
+           f"({most / max(plain_most, 1):.2f}x); "
+           f"{sum(SLOT_OF_KEY in e and KEPT_KEY in e for e in manifest.values())} of "
            f"{sum(SLOT_OF_KEY in e for e in manifest.values())} slots kept whole"]
+  weights, plain_weights = optimizer_state_bytes(manifest, axes, axis, WEIGHT_KEY)
+  if weights:
+    lines.append(f"  weights (zero=3 over {axis}): {_mib(max(weights.values()))} per device "
+                 f"between steps, {_mib(max(plain_weights.values()))} with plain data "
+                 f"parallelism; {sum(WEIGHT_KEY in e and KEPT_KEY in e for e in manifest.values())}"
+                 f" of {sum(WEIGHT_KEY in e for e in manifest.values())} weights kept whole")
   lines += [f"  kept whole: '{name}': {why}" for name, why in sorted(kept.items())]
   return lines
 

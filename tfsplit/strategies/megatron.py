@@ -22,10 +22,10 @@ from tfsplit.graph.ir import Graph, parse_input
 from tfsplit.layout.spec import KEEP, Constraint
 from tfsplit.rules.matmul import _einsum_letters
 from tfsplit.rules.shape import _groups
+from tfsplit.sharding.gathers import VIEW_OPS
 
 CONTRACTIONS = frozenset(["MatMul", "BatchMatMul", "BatchMatMulV2", "BatchMatMulV3",
                           "Einsum"])
-VIEW_OPS = frozenset(["Identity", "Cast", "Reshape"])
 
 
 def _operand_letters(node, shapes):

@@ -29,8 +29,9 @@ from absl import logging
 from tfsplit import constants
 from tfsplit.errors import PlanError
 from tfsplit.graph.ir import parse_input
-from tfsplit.layout.spec import Constraint, axis_parts, insert_constraints, join_parts
-from tfsplit.strategies.megatron import VIEW_OPS, CONTRACTIONS, pair_contractions
+from tfsplit.layout.spec import Constraint, axis_parts, join_parts
+from tfsplit.sharding.gathers import VIEW_OPS, GatherEdits, data_inputs, scope
+from tfsplit.strategies.megatron import CONTRACTIONS, pair_contractions
 
 # What keeps a row-parallel output's values (so its sequence split) and
 # what a column-parallel operand is read through.
@@ -61,14 +62,6 @@ def _spec(propagation, name, port=0):
   return spec if spec is not None else propagation.outputs[name][port]
 
 
-def _data(node):
-  return [t for t in node.input if not t.startswith("^")]
-
-
-def _scope(name):
-  return name.rpartition("/")[0] or name
-
-
 def _view_tail(graph, roles, name, role=constants.FORWARD):
   """The last node of the chain of views (Reshape, Identity) that alone
   read `name` in pass `role`, or `name`."""
@@ -95,9 +88,9 @@ class SequenceParallel(object):
   def __init__(self, analysis, propagation, mesh, axis):
     self.analysis, self.prop, self.mesh, self.axis = analysis, propagation, mesh, axis
     self.graph, self.shapes, self.roles = analysis.graph, analysis.shapes, analysis.roles
-    self.constraints, self.copies = [], []   # Constraint, (copy NodeDef, its shape)
+    self.edits = GatherEdits(self.graph, self.shapes, self.roles)
+    self.constraints, self.copies = self.edits.constraints, self.edits.copies
     self.scattered, self.gathered = [], []   # tensors (node names) constrained
-    self.rewire = {}   # backward contraction -> {forward view it read: its copy}
     contractions, kind = pair_contractions(self.graph, self.shapes, analysis.variables,
                                            self.roles)
     self.operand = {name: op for name, op, _, _ in contractions}
@@ -108,7 +101,7 @@ class SequenceParallel(object):
       # the weight contractions the preset keeps replicated (an LM head:
       # else its logits, vocabulary-wide, are split over the sequence).
       if kind.get(name) in ("column", None):
-        data = _data(self.graph.node(name))
+        data = data_inputs(self.graph.node(name))
         if len(data) < 2:
           continue
         path = _operand_path(self.graph, data[1 - self.operand[name]]) + [name]
@@ -162,7 +155,7 @@ class SequenceParallel(object):
     grads = []
     for column in columns:
       node = self.graph.node(column)
-      weight = parse_input(_data(node)[self.operand[column]])[0]
+      weight = parse_input(data_inputs(node)[self.operand[column]])[0]
       for c in self.graph.consumer_nodes(weight):
         if c.op in CONTRACTIONS and self.roles.get(c.name) == constants.BACKWARD and \
             self.axis in self._partial_parts(c.name):
@@ -206,7 +199,7 @@ class SequenceParallel(object):
     self.scattered.append(tail)
     # The row's backward contractions (its weight gradient, its input
     # gradient) read the gradient of its output: gather it once for both.
-    data = _data(node)
+    data = data_inputs(node)
     inputs = {parse_input(t) for t in data}
     grads, readers = set(), set()
     for src, _ in inputs:
@@ -214,7 +207,7 @@ class SequenceParallel(object):
         if consumer.op not in CONTRACTIONS or \
             self.roles.get(consumer.name) != constants.BACKWARD:
           continue
-        cdata = [parse_input(t) for t in _data(consumer)]
+        cdata = [parse_input(t) for t in data_inputs(consumer)]
         others = [t for t in cdata if t not in inputs]
         if len(others) == 1 and len(cdata) == 2:
           grads.add(others[0])
@@ -225,7 +218,7 @@ class SequenceParallel(object):
       if not spec.partial and self.axis not in {p for a in spec.axes_used
                                                 for p in axis_parts(a)}:
         self.constraints.append(Constraint(
-            f"{_scope(sorted(readers)[0])}/sequence_gather", (gsrc, gport), spec.dims,
+            f"{scope(sorted(readers)[0])}/sequence_gather", (gsrc, gport), spec.dims,
             frozenset(readers)))
 
   def _gather(self, source, readers):
@@ -239,86 +232,14 @@ class SequenceParallel(object):
     self.constraints.append(Constraint(f"{source}/sequence_gather", (source, 0), spec.dims,
                                        frozenset(readers)))
     self.gathered.append(source)
-    # Backward contractions reading the source or a forward view of it.
-    views = {source: None}   # node -> the node it is a view of
-    queue = collections.deque()
-    for reader in readers:
-      if self.graph.node(reader).op in VIEW_OPS:
-        views[reader] = source
-        queue.append(reader)
-    while queue:
-      cur = queue.popleft()
-      for c in self.graph.consumer_nodes(cur):
-        if c.op in VIEW_OPS and self.roles.get(c.name) == constants.FORWARD and \
-            c.name not in views:
-          views[c.name] = cur
-          queue.append(c.name)
-    direct, after, copied = set(), set(), {}
-    for view in views:
-      for c in self.graph.consumer_nodes(view):
-        if c.op not in CONTRACTIONS or self.roles.get(c.name) != constants.BACKWARD:
-          continue
-        data = [parse_input(t) for t in _data(c)]
-        if [s for s, _ in data].count(view) != 1:
-          continue
-        after.update(s for s, _ in data if s != view)
-        if view == source:
-          direct.add(c.name)
-        else:
-          copied.setdefault(view, []).append(c.name)
-    if not direct and not copied:
-      return True
-    first = sorted(direct | {r for rs in copied.values() for r in rs})[0]
-    for view, consumers in sorted(copied.items()):
-      chain = [view]
-      while views[chain[0]] != source:
-        chain.insert(0, views[chain[0]])
-      previous = None
-      for name in chain:
-        copy = self._copy(self.graph.node(name), f"{_scope(first)}/sequence_{len(self.copies)}")
-        if previous is None:
-          direct.add(copy.name)   # reads the source: rewired to the gather
-        else:
-          copy.input[0] = previous
-        previous = copy.name
-      for consumer in consumers:
-        self.rewire.setdefault(consumer, {})[view] = previous
-    self.constraints.append(Constraint(f"{_scope(first)}/sequence_gather", (source, 0),
-                                       spec.dims, frozenset(direct), tuple(sorted(after))))
+    # The weight-gradient contractions reading it (or a forward view of it)
+    # in the backward: their own gather, gated on their output gradient.
+    self.edits.gather_again(source, spec.dims, readers, "sequence", ops=CONTRACTIONS)
     return True
-
-  def _copy(self, node, name):
-    """A copy of forward view `node` for the backward, named `name`."""
-    from tensorflow.core.framework import node_def_pb2  # pylint: disable=import-outside-toplevel
-    copy = node_def_pb2.NodeDef()
-    copy.CopyFrom(node)
-    copy.name = name
-    self.copies.append((copy, self.shapes[node.name]))
-    return copy
 
   def graph_def(self):
     """(GraphDef, known shapes) with the constraints and view copies."""
-    out = self.analysis.graph_def
-    if self.copies:
-      from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
-      out = graph_pb2.GraphDef()
-      out.CopyFrom(self.analysis.graph_def)
-      taken = {n.name for n in out.node}
-      for copy, _ in self.copies:
-        if copy.name in taken:
-          raise PlanError(f"node '{copy.name}': sequence parallelism needs this name for a "
-                          "copy of a view in the backward pass, and the graph has it")
-        taken.add(copy.name)
-      out.node.extend(c for c, _ in self.copies)
-      for node in out.node:
-        renames = self.rewire.get(node.name)
-        if renames:
-          for i, text in enumerate(node.input):
-            if not text.startswith("^") and parse_input(text)[0] in renames:
-              node.input[i] = renames[parse_input(text)[0]]
-    graph_def, known = insert_constraints(out, self.graph, self.shapes, self.constraints)
-    for copy, info in self.copies:
-      known[copy.name] = info
+    graph_def, known = self.edits.graph_def(self.analysis.graph_def, "sequence parallelism")
     logging.info("sequence parallelism: %d reduce-scatters, %d all-gathers (%d for the "
                  "backward), %d views copied", len(self.scattered), len(self.gathered),
                  sum(c.readers is not None and c.after != () for c in self.constraints),
