@@ -132,8 +132,9 @@ MESHES = {
     "tp2": dict(mesh="tp=2"),
     "dp2tp2_m2": dict(mesh="dp=2,tp=2", microbatches=2),
     "pp2_m4": dict(mesh="pp=2", microbatches=4),
+    "dp2_zero3": dict(mesh="dp=2", zero=3),
 }
-CI_CASES = [("causallm_keras3", "dp2tp2_m2"), ("causallm_tfkeras", "pp2_m4")]
+CI_CASES = [("causallm_keras3", "dp2_zero3"), ("causallm_tfkeras", "pp2_m4")]
 ALL_CASES = [(n, m) for n in ("causallm_keras3", "causallm_tfkeras") for m in MESHES]
 
 

@@ -397,6 +397,7 @@ def test_loss_scale_drop_skips_the_step_on_every_replica():
   np.testing.assert_allclose(split_loss, want_loss, rtol=1e-3)
 
 
+@pytest.mark.slow  # 33 s; the fp32 estimates run in CI (test_graph_cost.py)
 @pytest.mark.parametrize("spec", ["causallm_keras3:small:mixed_bfloat16"])
 def test_memory_estimate_of_a_bf16_step_within_15_percent_of_allocator_peak(spec):
   """The graph's memory simulation counts each tensor in its own dtype:
@@ -588,6 +589,7 @@ def test_gradient_reduce_dtype_needs_a_data_axis_and_a_known_dtype():
     _lowered_split(original, "dp=2", gradient_reduce_dtype="int8")
 
 
+@pytest.mark.slow  # the API form runs in CI (test_gradients_reduced_in_bf16_move_half_the_bytes)
 def test_rewrite_reduces_gradients_in_bf16_on_request(tmp_path, capsys):
   """`tfsplit rewrite --gradient-reduce-dtype bfloat16` says the gradients
   travel in bfloat16 and the manifest records it, so `tfsplit verify` holds

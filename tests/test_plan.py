@@ -883,3 +883,44 @@ def test_reprice_planner_bad_input_is_one_line_and_exit_2(tmp_path):
     lines = [l for l in proc.stderr.splitlines() if l.startswith("reprice_planner:")]
     assert proc.returncode == 2 and len(lines) == 1 and named in lines[0], proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def _weight_heavy(n=10):
+  """Layers whose weights and Adam moments (1 + 2 GB each) outweigh their
+  activations: data parallelism holds 30 GB of state per device."""
+  rows = [profile_lib.LayerRow(
+      name=f"layer_{i}", forward=0.2, backward=0.4, update=1e-4, params=10**9,
+      slots=2 * 10**9, activations=10**9, input_bytes=10**9 // 8, splittable=0 < i < n - 1)
+          for i in range(n)]
+  return profile_lib.ModelProfile(rows, [10**9 // 8] * (n - 1), batch=64)
+
+
+def test_zero3_is_priced_and_chosen_where_only_it_fits():
+  profile = _weight_heavy()
+  cluster = plan_lib.cluster_for("h100-80gb", 8)
+  costing = costing_lib.Costing(profile, cluster)
+  whole = [(0, costing.n)]
+  zero1, zero3 = (costing.evaluate(space.Candidate(8, 1, 1, zero=z), whole) for z in (1, 3))
+  # Weights and their gradient sums 1/dp too (2 x 10 GB x 7/8 less), four
+  # whole layers' weights held during the step (the gathers' window).
+  assert zero1.memory - zero3.memory == pytest.approx(2 * 10 * 10**9 * 7 / 8 - 4 * 10**9,
+                                                      abs=2)
+  # A reduce-scatter and two all-gathers: 1.5x the all-reduce's time.
+  assert zero3.sync_time == pytest.approx(1.5 * zero1.sync_time)
+  # With micro-batches the gathers are not ordered: the whole weights stay.
+  m2 = [costing.evaluate(space.Candidate(8, 1, 1, 2, zero=z), whole) for z in (1, 3)]
+  assert m2[0].memory - m2[1].memory == pytest.approx(10 * 10**9 * 7 / 8 - 10 * 10**9 / 8,
+                                                      abs=2)
+  # Unbounded, zero=3 only adds traffic; under 11 GB only zero=3 plans fit.
+  free = search_lib.Planner(profile, cluster, 8, None).search().best
+  assert free.candidate.zero != 3
+  result = search_lib.Planner(profile, cluster, 8, 11 * 10**9).search()
+  assert result.best.candidate.zero == 3 and result.best.memory <= 11 * 10**9
+  from tfsplit.plan import report  # pylint: disable=import-outside-toplevel
+  lines = report.reasons(result, costing)
+  assert any(line.startswith("zero=3 holds the weights 1/dp per device: with zero=1 the "
+                             "same plan needs") for line in lines), lines
+  # The plan, and its file, carry it to the split.
+  plan, _ = plan_lib.plan_profile(profile, 8, 11 * 10**9, cluster, memory_reserve=0)
+  assert plan.zero == 3 and plan.options()["zero"] == 3
+  assert plan_json.from_json(plan.to_json()).zero == 3

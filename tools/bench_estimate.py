@@ -77,6 +77,8 @@ PASSES = {
     "none": None,
     "recompute": {"mesh": "dp=1", "recompute": "blocks"},
     "zero": {"mesh": "dp=2", "zero": 1},
+    # FSDP: the weights split over dp too, gathered layer by layer.
+    "zero3": {"mesh": "dp=2", "zero": 3},
     # The mesh on CPU:1 (an accelerator's stand-in), its host CPU:0 apart
     # from it: the slots and their updates on the host, the weights on CPU:1.
     "offload": {"mesh": "dp=1", "offload": "optimizer"},

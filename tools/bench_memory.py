@@ -14,7 +14,7 @@ training --steps steps on the same seeded batches and reporting:
 - its losses, which must equal the unsplit process's (same seed).
 
 Configurations: unsplit (one process, one device); tp=4 in one process on 4
-logical devices; pp=2 and dp=2 with zero=1 over 2 worker processes (every
+logical devices; pp=2 and dp=2 with zero=1 or zero=3 (FSDP) over 2 worker processes (every
 worker runs the script, as `tfsplit launch --each` does); each split one
 built whole (split(release=True): every original emptied once its shards
 hold it) and under deferred_init().
@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.join(_ROOT, "examples"))
 
 FLAGS = flags.FLAGS
 CONFIGS = ["unsplit", "tp=4/whole", "tp=4/deferred", "pp=2/whole", "pp=2/deferred",
-           "dp=2,zero=1/whole", "dp=2,zero=1/deferred"]
+           "dp=2,zero=1/whole", "dp=2,zero=1/deferred", "dp=2,zero=3/deferred"]
 flags.DEFINE_enum("preset", "gpt2-small", ["gpt2-small", "gpt-1b", "tiny"],
                   "Model size (gpt-1b: 12 GiB of state, for a machine where two "
                   "workers cannot each hold it whole).")
@@ -62,6 +62,20 @@ def _preset():
   cfg = {"gpt2-small": seeded.GPT2_SMALL, "gpt-1b": seeded.GPT_1B,
          "tiny": seeded.TINY}[FLAGS.preset]
   return cfg._replace(tied=not FLAGS.untied)
+
+
+def _configs(tokens):
+  """--configs as configurations: the list flag splits 'dp=2,zero=1/whole'
+  at its comma, so pieces are joined up to the one with the '/'."""
+  out, pending = [], []
+  for token in tokens:
+    pending.append(token)
+    if "/" in token or token == "unsplit":
+      out.append(",".join(pending))
+      pending = []
+  if pending:
+    raise ValueError(f"--configs: '{','.join(pending)}' lacks '/whole' or '/deferred'")
+  return out
 
 
 def _parse(config):
@@ -154,7 +168,7 @@ def main(argv):
     return _process()
   with tempfile.TemporaryDirectory() as tmp:
     rows = []
-    for config in FLAGS.configs:
+    for config in _configs(FLAGS.configs):
       rows.extend(_run(config, tmp))
       sys.stdout.flush()
   unsplit = next((r for r in rows if r["config"] == "unsplit"), None)

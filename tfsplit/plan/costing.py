@@ -100,6 +100,12 @@ from tfsplit.plan.space import Estimate
 # effective rate (about 25 of its 32 GB/s per direction, 10 us a transfer)
 # and the DDR bandwidth of a two-socket server, shared by a host's devices.
 HOST_LINK = Link(25e9, 10e-6)
+# zero=3: layers whose whole weights a device holds at once during a step
+# (zero_prefetch 1: the previous, the current and the next layer's, and a
+# layer's whole gradient before its reduce-scatter), and its dp traffic
+# against an all-reduce's (a reduce-scatter and two all-gathers).
+FSDP_WINDOW = 4
+FSDP_TRAFFIC = 1.5
 HOST_MEMORY_BANDWIDTH = 200e9
 
 
@@ -278,7 +284,7 @@ class Costing(object):
     'blocks' instead of c's ('stages' counts as blocks: the least it can keep)."""
     blocks = (recompute or c.recompute) in ("blocks", "stages")
     return self._remember(("memory", c.replicas * c.microbatches, _split_key(c), c.offload,
-                           c.dp if c.zero else 1, blocks),
+                           c.dp if c.zero else 1, _fsdp(c), blocks),
                           lambda: self._memory_terms(c, recompute))
 
   def _memory_terms(self, c, recompute):
@@ -293,6 +299,18 @@ class Costing(object):
       again = np.where(self.split, full, 0.0)
     else:
       kept, again = full, np.zeros(self.n)
+    if c.zero >= 3:
+      # FSDP: the weights and their gradient sums are 1/dp too; during the
+      # step a window of whole layers (the one computing, the one before
+      # it, the one gathered ahead, and one layer's whole gradient before
+      # its reduce-scatter) is the transient working set. With micro-batches
+      # or stages the gathers are not ordered: every weight of the stage is
+      # whole once the step starts.
+      static = 2 * weights / c.dp + slots
+      if _fsdp(c) == "whole":
+        static = static + weights
+      else:
+        again = again + FSDP_WINDOW * weights
     return static, kept, again
 
   def in_flight(self, c):
@@ -390,6 +408,10 @@ class Costing(object):
     if c.ep > 1:
       sync = sync + self._gradient_sync(c.ep, per_stage(per_chunk(self.dense_params(c))),
                                         self._link("ep", c))
+    if c.zero >= 3:
+      # Reduce-scatter + an all-gather for the forward and one for the
+      # backward: 1.5x an all-reduce's bytes.
+      sync = sync * FSDP_TRAFFIC
     sync = float(np.max(sync))
     update = float(stage_update.max()) / (c.dp if c.zero else 1) + self.profile.other_update
     if self.profile.concurrency:
@@ -538,6 +560,15 @@ class Costing(object):
                       np.where(again & self.split, self.fwd_ops, 0.0)).sum()) + update_ops)
     compute = self.on_shared_cores(work, groups * ops * profile.op_gap, c.devices)
     return compute + launches + transfers * profile.transfer_overhead
+
+
+def _fsdp(c):
+  """How zero=3 keeps the weights during a step: None (not zero=3), 'window'
+  (gathers ordered layer by layer), 'whole' (with micro-batches or stages:
+  not ordered)."""
+  if c.zero < 3:
+    return None
+  return "whole" if c.microbatches > 1 or c.pp > 1 else "window"
 
 
 def _split_key(c):

@@ -318,7 +318,7 @@ def from_json(obj, source="plan"):
   for key, value, allowed in (("schedule", schedule, space.SCHEDULES),
                               ("recompute", recompute if isinstance(recompute, str)
                                else "blocks", ("none", "blocks")),
-                              ("zero", zero, (0, 1, 2)),
+                              ("zero", zero, (0, 1, 2, 3)),
                               ("offload", offload, ("none", "optimizer"))):
     if value not in allowed:
       raise PlanError(f"plan '{source}': field '{key}' is {value!r}; use one of "

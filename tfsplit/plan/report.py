@@ -5,6 +5,8 @@ data parallelism over every device, the runner-up (naming the part of the
 step where the winner saves the most), and the fastest candidate overall
 when it does not fit the memory cap.
 """
+import dataclasses
+
 from tfsplit.plan import space
 from tfsplit.report import format_table
 from tfsplit.units import format_bytes
@@ -48,6 +50,15 @@ def reasons(result, costing):
         out.append(f"plain data parallelism (dp={n}) fits but takes "
                    f"{format_time(plain.step_time)} ({_pct(plain.step_time, best.step_time)} "
                    "slower)")
+  if c.zero >= 3:
+    sharded = costing.evaluate(dataclasses.replace(c, zero=1), best.ranges)
+    if not space.fits(sharded, result.usable):
+      out.append(f"zero=3 holds the weights 1/dp per device: with zero=1 the same plan needs "
+                 f"{format_bytes(sharded.memory)} per device, over the "
+                 + ("room plans may use" if result.reserve else "cap"))
+    else:
+      out.append(f"zero=3 holds the weights 1/dp per device; zero=1 fits the same plan and "
+                 f"takes {format_time(sharded.step_time)}")
   fastest = result.fastest
   if fastest is not None and fastest.step_time < best.step_time:
     out.append(f"the fastest candidate, {fastest.label()} "

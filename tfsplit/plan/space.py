@@ -6,7 +6,7 @@ pp (laid out pp-major, tp fastest: a tensor-parallel group is tp consecutive
 devices, inside one host when tp divides the host; ep only for a model
 with experts), m micro-batches, a
 pipeline schedule (gpipe, 1f1b, interleaved over v model chunks per
-stage, or the zero-bubble zb-h1 and zb-h2), recomputation of the repeated blocks, and optimizer-state sharding
+stage, or the zero-bubble zb-h1 and zb-h2), recomputation of the repeated blocks, and optimizer-state sharding (zero=1; zero=3 with the weights too)
 over dp. The stage cut (which layers each chunk runs) is chosen by the
 search (search.py); `costing.Costing.evaluate` prices a candidate with its
 cut (the cost model and its formulas: costing.py) into an Estimate.
@@ -155,7 +155,7 @@ def candidates_of(mesh, profile, max_microbatches=None, schedules=SCHEDULES):
   dp, tp, pp, ep = mesh
   n = len(profile.layers)
   rcs = (RECOMPUTE if pp > 1 else RECOMPUTE[:2]) if profile.has_blocks else ("none",)
-  zeros = (0, 1) if dp > 1 else (0,)
+  zeros = (0, 1, 3) if dp > 1 else (0,)
   for m in divisors(profile.batch // (dp * ep)):
     if max_microbatches and m > max_microbatches:
       break
