@@ -247,3 +247,53 @@ def test_rewrite_flag_summary_and_verify(tmp_path, capsys):
   code = cli_run(["tfsplit", "verify", TRAIN, str(out), "--steps", "3"])
   assert code == 0
   assert capsys.readouterr().out.strip().splitlines()[-1].startswith("OK")
+
+
+# --- memory: the simulation of the split graph ---------------------------------------
+def _deep_mlp_graph(layers=12, width=256, batch=4):
+  """A chain of weight-heavy layers (a 256 KiB kernel each, tiny
+  activations) trained by SGD: what FSDP's window is for."""
+  weights = [tf.Variable(tf.random.stateless_normal([width, width], [i, 0], stddev=0.05),
+                         name=f"layer_{i}/kernel") for i in range(layers)]
+
+  @tf.function(input_signature=[tf.TensorSpec([batch, width])])
+  def train(x):
+    with tf.GradientTape() as tape:
+      h = x
+      for i, w in enumerate(weights):
+        with tf.name_scope(f"layer_{i}"):
+          h = tf.nn.relu(tf.matmul(h, w))
+      loss = tf.reduce_mean(h * h)
+    for w, g in zip(weights, tape.gradient(loss, weights)):
+      w.assign_sub(0.1 * g)
+    return loss
+
+  return load_graph(train.get_concrete_function(),
+                    variable_names=[(w, w.name.split(":")[0]) for w in weights])
+
+
+def test_the_simulated_step_holds_a_few_whole_layers_not_the_model():
+  """Per device: half the weights between steps; during the step, with
+  each gradient reduce-scattered as it is made (bucket_bytes=0), the
+  transient peak stays within four layers' weights (the gathers' window
+  plus the layer's whole gradient), where zero=1 holds every whole weight
+  and gradient. Default buckets hold up to bucket_bytes of whole gradients
+  until their last member exists (here: all of them)."""
+  from tfsplit.cost import cluster as cluster_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.cost import graph_sim  # pylint: disable=import-outside-toplevel
+  graph_def = _deep_mlp_graph()
+  layer = 256 * 256 * 4
+  cluster = cluster_lib.from_preset("cpu-host", 2)
+
+  def memory(**kwargs):
+    result = split_graph(graph_def, make_mesh("dp=2"), **kwargs)
+    return graph_sim.simulate_graph(result.graph_def, cluster).memory[0]
+
+  zero1 = memory(zero=1)
+  fsdp = memory(zero=3, bucket_bytes=0)
+  bucketed = memory(zero=3)
+  assert zero1.parameters == 12 * layer and fsdp.parameters == 6 * layer
+  assert fsdp.transient_peak < 4 * layer < 12 * layer < zero1.transient_peak, (
+      fsdp.transient_peak, zero1.transient_peak)
+  assert bucketed.transient_peak > 11 * layer
+  assert fsdp.peak < 0.4 * zero1.peak, (fsdp.peak, zero1.peak)
