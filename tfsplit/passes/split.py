@@ -345,9 +345,17 @@ def bucket_gradients(state):
   axes = [a for a in mesh.axis_parts(batch_axis)
           if mesh.axes[a] > 1 and not mesh.is_local(a)]
   out = state.materialized
+  # zero=3: each layer's weight gathers of one pass packed together, apart
+  # from the gradients' buckets.
+  labels = zero_lib.weight_gather_labels(state.analysis, state.zero, out.collectives) \
+      if state.zero is not None else {}
   out.collectives.extend(buckets_lib.bucket_gradients(
       out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes,
-      config.gradient_reduce_dtype))
+      config.gradient_reduce_dtype, skip=frozenset(labels)))
+  if labels:
+    out.collectives.extend(buckets_lib.bucket_gradients(
+        out, state.analysis, state.propagation, mesh, axes, config.bucket_bytes,
+        labels=labels))
 
 
 def plan_offload(state):

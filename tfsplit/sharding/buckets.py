@@ -83,6 +83,7 @@ class _Instance:
   elements: int = 0                # local elements
   bytes: int = 0                   # local bytes
   record: object = None            # the reshard's CollectiveRecord of the tensor
+  label: str = ""                  # packed only with its label's (FSDP's weight gathers)
 
   def __post_init__(self):
     self.elements = int(np.prod(self.local_shape, dtype=np.int64))
@@ -90,39 +91,53 @@ class _Instance:
 
 
 def bucket_gradients(out, analysis, propagation, mesh, data_axes, bucket_bytes,
-                     reduce_dtype=None):
+                     reduce_dtype=None, labels=None, skip=frozenset()):
   """Packs the collectives over `data_axes` of `out` (a Materialized) that
   its records name into buckets of at most `bucket_bytes`, in place; returns
   a BucketRecord per bucket of two or more tensors (single ones stay as they
   are). A bucket launches when its last member is ready: no ordering is
   added. reduce_dtype: None, or 'bfloat16': float32 gradients (all-reduces
   and reduce-scatters) travel in it, a bucket of one tensor as well, and
-  their records say so (CollectiveRecord.dtype: what travels)."""
+  their records say so (CollectiveRecord.dtype: what travels).
+
+  With `labels` ({consumer node: label}), the all-gathers of weights those
+  consumers read (FSDP's, sharding/zero.py weight_gather_labels) are packed
+  instead, only with others of the same label (one layer's forward, or its
+  backward), and never with one that depends on another's result. Without
+  them, the all-gathers `skip` consumers read are left alone."""
   wire = dtypes.as_dtype(reduce_dtype).as_datatype_enum if reduce_dtype else None
   if (bucket_bytes <= 0 and wire is None) or not data_axes:
     return []
+  if labels is not None:
+    wire = None
+    if bucket_bytes <= 0 or not labels:
+      return []
   builder = builder_lib.DeviceGraph.extending(out.graph_def, out.records)
   nodes = builder.created
   consumers = collections.defaultdict(list)   # name -> [(consumer, is data edge)]
   for node in out.graph_def.node:
     for text in node.input:
       consumers[input_node(text)].append((node.name, text[0] != "^"))
-  instances = _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes)
+  instances = _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes,
+                         labels, skip)
   if not instances:
     return []
   used_keys = {_int_const(nodes, n.input[3]) for n in nodes.values()
                if n.op.startswith("Collective") and len(n.input) > 3}
   by_group = collections.defaultdict(list)
   for inst in instances:
-    by_group[(inst.axis, inst.group, inst.kind)].append(inst)
+    by_group[(inst.axis, inst.group, inst.kind, inst.label)].append(inst)
   writer = BucketWriter(builder, consumers)
   records = []
-  groups = sorted({(axis, group) for axis, group, _ in by_group})
-  for axis, group, kind in sorted(by_group, key=lambda k: (k[2] != "all_reduce", k)):
+  groups = sorted({(axis, group) for axis, group, _, _ in by_group})
+  labelled = sorted({label for _, _, _, label in by_group})
+  for axis, group, kind, label in sorted(by_group, key=lambda k: (k[2] != "all_reduce", k)):
     group_index = groups.index((axis, group))
     prefix = "gradient_buckets" if kind == "all_reduce" else f"{kind}_buckets"
+    if labels is not None:
+      prefix = f"weight_gathers/label_{labelled.index(label)}"
     lowered = wire if kind in _LOWERED_KINDS else None
-    for index, bucket in enumerate(pack(by_group[(axis, group, kind)], bucket_bytes,
+    for index, bucket in enumerate(pack(by_group[(axis, group, kind, label)], bucket_bytes,
                                         lowered)):
       travels = lowered if bucket[0].dtype == types_pb2.DT_FLOAT else None
       key = _instance_key(bucket, used_keys, travels)
@@ -162,15 +177,21 @@ def pack(instances, bucket_bytes, lowered=None):
   return buckets
 
 
-def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
+def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes, labels=None,
+               skip=frozenset()):
   """[_Instance] of the collectives over `data_axes` the records name
   (CollectiveRecord.units): all-reduces of gradients, reduce-scatters of
   gradients and all-gathers of updates, whose results feed variable updates
-  and whose inputs depend on no other of them (_independent)."""
+  and whose inputs depend on no other of them (_independent); with `labels`,
+  the all-gathers those consumers read instead."""
   by_key = collections.defaultdict(list)   # (kind, group key, instance key) -> members
   ports = collections.defaultdict(set)     # (source, axis) -> ports all-reduced
   for record in out.collectives:
     if record.axis not in data_axes or record.kind not in _BUCKET_KIND:
+      continue
+    if labels is not None and (record.kind != "all_gather" or record.consumer not in labels):
+      continue
+    if record.consumer in skip:
       continue
     if record.kind == "all_reduce":
       src, port = parse_input(record.tensor)
@@ -197,9 +218,11 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
     first = nodes[members[0][1]]
     if here != tuple(d for d in group if out.only is None or d in out.only) or \
         len(set(here)) != len(here) or any(m[3] is not record for m in members) or \
-        _int_const(nodes, first.input[1]) != n or source not in position or \
-        analysis.roles.get(source) not in (constants.BACKWARD, constants.UPDATE) or \
-        not all(_feeds_update(result, nodes, consumers) for _, _, result, _ in members):
+        _int_const(nodes, first.input[1]) != n or source not in position:
+      continue
+    if labels is None and (
+        analysis.roles.get(source) not in (constants.BACKWARD, constants.UPDATE) or
+        not all(_feeds_update(result, nodes, consumers) for _, _, result, _ in members)):
       continue
     dtype = first.attr["T"].type
     attrs = _attrs(first)
@@ -221,7 +244,8 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes):
     candidates.append(_Instance(
         axis, group, here, group_key, key, {d: c for d, c, _, _ in members}, source,
         record.tensor, shape, dtype, attrs, position[source], record.num_elements,
-        kind, {d: r for d, _, r, _ in members}, record=record))
+        kind, {d: r for d, _, r, _ in members}, record=record,
+        label=labels[record.consumer] if labels is not None else ""))
   return _independent(candidates, nodes, consumers)
 
 
@@ -232,7 +256,7 @@ def _independent(candidates, nodes, consumers):
   depend on the previous one's: they are other groups of logical devices)."""
   sets = collections.defaultdict(list)
   for c in candidates:
-    sets[(c.kind,) if c.kind == "all_reduce" else (c.kind, c.axis, c.group)].append(c)
+    sets[(c.kind,) if c.kind == "all_reduce" else (c.kind, c.axis, c.group, c.label)].append(c)
   kept = []
   for members in sets.values():
     after = _descendants([n for c in members for n in c.nodes.values()], consumers)

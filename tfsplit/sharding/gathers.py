@@ -18,6 +18,7 @@ freed after its last forward reader:
     graph_def, known_shapes = edits.graph_def(analysis.graph_def, "FSDP")
 """
 import collections
+import dataclasses
 
 from tfsplit import constants
 from tfsplit.errors import PlanError
@@ -45,6 +46,9 @@ class GatherEdits(object):
     self.graph, self.shapes, self.roles = graph, shapes, roles
     self.constraints, self.copies = [], []   # Constraint, (copy NodeDef, its shape)
     self.rewire = {}   # backward reader -> {forward view it read: its copy}
+    # gather_again's constraint name -> the graph's backward nodes reading
+    # it (directly or through the view copies made for them)
+    self.backward_readers = {}
 
   def gather_again(self, source, dims, readers, label, ops=None):
     """A gather of `source` (port 0) to `dims` for the backward nodes (of
@@ -99,7 +103,33 @@ class GatherEdits(object):
     constraint = Constraint(f"{scope(first)}/{label}_gather", (source, 0), tuple(dims),
                             frozenset(direct), tuple(sorted(after)))
     self.constraints.append(constraint)
+    self.backward_readers[constraint.name] = (
+        {d for d in direct if d in self.graph} | {r for rs in copied.values() for r in rs})
     return constraint
+
+  def gate_together(self, constraints):
+    """Gates the backward gathers `constraints` (gather_again's) on what
+    all of them wait for that none of their readers makes: the gradient
+    reaching their layer. Each then starts with the first, so they are
+    independent of each other and can travel as one collective; no gate
+    depends on any of them, so no cycle is made. Returns the constraints
+    as changed (the same where there is nothing to share)."""
+    if len(constraints) < 2:
+      return constraints
+    readers = set().union(*(self.backward_readers[c.name] for c in constraints))
+    made = set(readers)
+    stack = list(readers)
+    while stack:
+      for c in self.graph.consumer_nodes(stack.pop()):
+        if c.name not in made:
+          made.add(c.name)
+          stack.append(c.name)
+    gate = tuple(sorted(set().union(*(c.after for c in constraints)) - made))
+    if not gate:
+      return constraints
+    changed = {c.name: dataclasses.replace(c, after=gate) for c in constraints}
+    self.constraints[:] = [changed.get(c.name, c) for c in self.constraints]
+    return [changed[c.name] for c in constraints]
 
   def _copy(self, node, name):
     """A copy of forward view `node` for the backward, named `name`."""

@@ -90,6 +90,10 @@ class ZeroPlan:
   weights: Dict[str, tuple] = dataclasses.field(default_factory=dict)
   weight_base: Dict[str, tuple] = dataclasses.field(default_factory=dict)
   weights_kept: Dict[str, str] = dataclasses.field(default_factory=dict)
+  # Stage 3: weight handle -> the layer that reads it first (the layers of
+  # the graph as planned: the gathers' constraints change how later
+  # analyses group them).
+  weight_layer: Dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def optimizer_slots(analysis):
@@ -157,7 +161,8 @@ def plan_zero(analysis, propagation, mesh, stage, axis=constants.DATA_AXIS):
   return ZeroPlan(stage, axis, slot_of, dims, kept,
                   _gradient_constraints(analysis, propagation, mesh, axis, scattered,
                                         var_nodes, users),
-                  weights, {w: base_of(w) for w in weights}, weights_kept)
+                  weights, {w: base_of(w) for w in weights}, weights_kept,
+                  {w: (analysis.layers.variable_readers.get(w) or [w])[0] for w in weights})
 
 
 def _split_over(shape, base, other_ops, axis, n, mesh=None):
@@ -224,12 +229,19 @@ def _weight_gathers(analysis, plan, edits, prefetch):
     if forward:
       reads[weight].append((node.name, forward))
   gates = _prefetch_gates(analysis, reads, prefetch) if prefetch is not None else {}
+  backward = collections.defaultdict(list)   # layer -> its backward gathers
   for weight in sorted(reads):
     base = plan.weight_base[weight]
     for read, forward in reads[weight]:
       edits.constraints.append(Constraint(f"{read}/fsdp_gather", (read, 0), base, forward,
                                           gates.get(weight, ())))
-      edits.gather_again(read, base, forward, "fsdp")
+      again = edits.gather_again(read, base, forward, "fsdp")
+      if again is not None:
+        backward[plan.weight_layer[weight]].append(again)
+  # A layer's backward gathers all start when its gradient arrives: one
+  # bucket each (sharding/buckets.py), as FSDP gathers a unit.
+  for layer in sorted(backward):
+    edits.gate_together(backward[layer])
 
 
 def _prefetch_gates(analysis, reads, prefetch):
@@ -278,6 +290,31 @@ def _prefetch_gates(analysis, reads, prefetch):
       if gate:
         gates[weight] = tuple(gate)
   return gates
+
+
+def weight_gather_labels(analysis, plan, records, axis=constants.DATA_AXIS):
+  """{consumer: label} of the all-gathers over `axis` among `records` (the
+  reshard's) that make a weight of `plan.weights` whole (stage 3): the
+  constraint reading it, labelled by its pass and layer, so that gradient
+  buckets can pack one layer's gathers of one pass together."""
+  if not plan.weights:
+    return {}
+  graph, roles = analysis.graph, analysis.roles
+  var_nodes = {v.node for v in analysis.variables}
+  out = {}
+  for record in records:
+    if record.kind != "all_gather" or record.axis != axis:
+      continue
+    node = graph.get(parse_input(record.tensor)[0])
+    while node is not None and node.op == "Identity" and node.input:
+      node = graph.get(parse_input(node.input[0])[0])
+    if node is None or node.op not in constants.VARIABLE_READ_OPS:
+      continue
+    weight = handle_of(graph, node.input[0], var_nodes)
+    if weight not in plan.weights:
+      continue
+    out[record.consumer] = f"{roles.get(record.consumer)}/{plan.weight_layer[weight]}"
+  return out
 
 
 def annotate_manifest(manifest, plan, variables):
