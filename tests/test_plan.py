@@ -918,8 +918,9 @@ def test_zero3_is_priced_and_chosen_where_only_it_fits():
   assert result.best.candidate.zero == 3 and result.best.memory <= 11 * 10**9
   from tfsplit.plan import report  # pylint: disable=import-outside-toplevel
   lines = report.reasons(result, costing)
-  assert any(line.startswith("zero=3 holds the weights 1/dp per device: with zero=1 the "
-                             "same plan needs") for line in lines), lines
+  assert any(line.startswith("zero=3 holds the weights 1/dp per device; the same plan "
+                             "with zero=1 needs") and line.endswith("over the 11 GB cap")
+             for line in lines), lines
   # The plan, and its file, carry it to the split.
   plan, _ = plan_lib.plan_profile(profile, 8, 11 * 10**9, cluster, memory_reserve=0)
   assert plan.zero == 3 and plan.options()["zero"] == 3

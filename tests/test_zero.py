@@ -19,7 +19,8 @@ from tfsplit.runtime.split_function import make_mesh
 from tfsplit.sharding import buckets as buckets_lib
 from tfsplit.sharding import zero as zero_lib
 
-from _util import TIMEOUT, check_training, example, names, training_report
+from _util import (TIMEOUT, check_training, example, gather_the_local_block, names,
+                   training_report)
 
 BATCH = 16
 TRAIN = os.path.join(os.path.dirname(__file__), "..", "examples", "gpt_raw_train_tiny.pb")
@@ -251,21 +252,7 @@ def test_skipping_the_all_gather_fails_the_exactness_check():
     graph_def.CopyFrom(step.graph_def)
     gathers = [n for n in graph_def.node if n.op == "CollectiveGatherV2"]
     assert len(gathers) == 2 * len(ex.variables)
-    for node in gathers:  # every member of every instance: no deadlock
-      axis = graph_def.node.add(name=node.name + "/axis", op="Const", device=node.device)
-      axis.attr["dtype"].type = tf.int32.as_datatype_enum
-      axis.attr["value"].tensor.CopyFrom(tensor_util.make_tensor_proto(0, tf.int32))
-      data = node.input[0]
-      dtype = node.attr["T"].type
-      node.op = "ConcatV2"
-      for attr in list(node.attr):
-        if not attr.startswith("_"):
-          del node.attr[attr]
-      node.attr["T"].type = dtype
-      node.attr["N"].i = 2
-      node.attr["Tidx"].type = tf.int32.as_datatype_enum
-      del node.input[:]
-      node.input.extend([data, data, axis.name])
+    gather_the_local_block(graph_def, gathers)
     step.runner._fn = import_graph(graph_def, step.variables)  # pylint: disable=protected-access
     report, _ = training_report(step, ex, ex.make_inputs("train", seed=11), 2)
     assert not report.ok

@@ -20,6 +20,16 @@ def format_time(seconds):
   return f"{seconds * 1e6:.4g} us"
 
 
+def _against(what, other, best, result):
+  """'WHAT needs X per device, over the cap' or 'WHAT fits but takes T (P
+  slower)': an alternative to the best plan, priced."""
+  if not space.fits(other, result.usable):
+    return (f"{what} needs {format_bytes(other.memory)} per device, over the "
+            f"{format_bytes(result.usable)} " + ("plans may use" if result.reserve else "cap"))
+  return (f"{what} fits but takes {format_time(other.step_time)} "
+          f"({_pct(other.step_time, best.step_time)} slower)")
+
+
 def _pct(a, b):
   return f"{100 * (a / b - 1):.1f}%" if b else "n/a"
 
@@ -42,23 +52,11 @@ def reasons(result, costing):
                  f"{profile.batch} over {n} devices")
     else:
       plain = costing.evaluate(space.Candidate(n, 1, 1), [(0, costing.n)])
-      if not space.fits(plain, result.usable):
-        out.append(f"plain data parallelism (dp={n}) needs {format_bytes(plain.memory)} "
-                   f"per device, over the {format_bytes(result.usable)} "
-                   + ("plans may use" if result.reserve else "cap"))
-      else:
-        out.append(f"plain data parallelism (dp={n}) fits but takes "
-                   f"{format_time(plain.step_time)} ({_pct(plain.step_time, best.step_time)} "
-                   "slower)")
+      out.append(_against(f"plain data parallelism (dp={n})", plain, best, result))
   if c.zero >= 3:
     sharded = costing.evaluate(dataclasses.replace(c, zero=1), best.ranges)
-    if not space.fits(sharded, result.usable):
-      out.append(f"zero=3 holds the weights 1/dp per device: with zero=1 the same plan needs "
-                 f"{format_bytes(sharded.memory)} per device, over the "
-                 + ("room plans may use" if result.reserve else "cap"))
-    else:
-      out.append(f"zero=3 holds the weights 1/dp per device; zero=1 fits the same plan and "
-                 f"takes {format_time(sharded.step_time)}")
+    out.append("zero=3 holds the weights 1/dp per device; " +
+               _against("the same plan with zero=1", sharded, best, result))
   fastest = result.fastest
   if fastest is not None and fastest.step_time < best.step_time:
     out.append(f"the fastest candidate, {fastest.label()} "
