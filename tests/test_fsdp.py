@@ -77,6 +77,18 @@ def test_training_is_exact_more_models_and_meshes(name, mesh, m):
   _check_split(_train(name, mesh, m), name)
 
 
+@pytest.mark.parametrize("name,mesh,options", [
+    ("gpt_raw", "dp=2", {"recompute": "blocks"}),
+    pytest.param("gpt_keras3", "dp=2,tp=2", {"recompute": "selective", "microbatches": 2},
+                 marks=pytest.mark.slow),
+])
+def test_combines_with_recomputation(name, mesh, options):
+  """Recomputed forward ops read the weights in the backward: through the
+  backward's gathers."""
+  step = check_training(example(name, batch_size=BATCH), mesh=mesh, zero=3, **options)
+  _check_split(step, name)
+
+
 # --- what each device holds --------------------------------------------------------
 def test_each_device_holds_a_quarter_of_the_weights_and_slots():
   ex = example("gpt_raw", batch_size=BATCH)
@@ -292,3 +304,33 @@ def test_the_simulated_step_holds_a_few_whole_layers_not_the_model():
       fsdp.transient_peak, zero1.transient_peak)
   assert bucketed.transient_peak > 11 * layer
   assert fsdp.peak < 0.4 * zero1.peak, (fsdp.peak, zero1.peak)
+
+
+def test_a_traced_step_gathers_the_next_block_while_a_block_computes():
+  """In a real step's trace (Grappler on), block 1's forward gather starts
+  before block 0's last forward op ends, on every device."""
+  from tfsplit.runtime import session as session_lib  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import trace as trace_lib  # pylint: disable=import-outside-toplevel
+  ex = example("gpt_raw", batch_size=BATCH)
+  graph_def = load_graph(ex.concrete("train"), variable_names=names(ex))
+  result = split_graph(graph_def, make_mesh("dp=2"), zero=3, timeout_seconds=TIMEOUT)
+  nodes = {n.name: n for n in result.graph_def.node}
+  runner = session_lib.SessionRunner(
+      result.graph_def, session_lib.seeded_values(result.graph_def, result.manifest))
+  runner.run(ex.make_inputs("train", seed=1))   # warm
+  _, metadata = runner.run(ex.make_inputs("train", seed=1), trace=True)
+  events = trace_lib.op_events(metadata)
+  for d, device in enumerate(result.mesh.devices):
+    gathers = {a for n in nodes if n.startswith("gpt/block_1/") and
+               n.endswith(f"/fsdp_gather/shard_{d}")
+               for a in _ancestors(nodes, n) | {n}
+               if nodes[a].op == "CollectiveGatherV2"}
+    gathers -= {a for n in nodes if n.startswith("gpt/block_0/") and
+                n.endswith(f"/fsdp_gather/shard_{d}") for a in _ancestors(nodes, n)}
+    assert gathers, d
+    starts = [start for _, name, start, _ in events if name in gathers]
+    ends = [end for dev, name, _, end in events
+            if name.startswith("gpt/block_0/") and name.endswith(f"shard_{d}") and
+            nodes.get(name) is not None and nodes[name].op in ("MatMul", "BatchMatMulV2")]
+    assert starts and ends, (d, len(starts), len(ends))
+    assert min(starts) < max(ends), (device, min(starts), max(ends))

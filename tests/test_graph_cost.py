@@ -302,6 +302,7 @@ def _quick_calibration(tmp_path, capsys, monkeypatch):
   return graph, table
 
 
+@pytest.mark.slow  # 33 s; the calibration table's use: test_plan.py
 def test_calibrate_then_estimate_graph_cli(tmp_path, capsys, monkeypatch):
   graph, table = _quick_calibration(tmp_path, capsys, monkeypatch)
   saved = json.load(open(table, encoding="utf-8"))

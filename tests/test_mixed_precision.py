@@ -141,6 +141,8 @@ def test_mixed_precision_meshes(name, precision, mesh, microbatches):
     pytest.param("mixed_bfloat16", "tp=2", {"offload": "optimizer", "offload_device":
                  "/job:localhost/replica:0/task:0/device:CPU:3"}, marks=pytest.mark.slow),
     pytest.param("mixed_float16", "dp=2", {"zero": 1}, marks=pytest.mark.slow),
+    pytest.param("mixed_bfloat16", "dp=2", {"zero": 3}, marks=pytest.mark.slow),
+    pytest.param("mixed_float16", "dp=2,tp=2", {"zero": 3}, marks=pytest.mark.slow),
     pytest.param("mixed_float16", "tp=2", {"recompute": "blocks"}, marks=pytest.mark.slow),
 ])
 def test_memory_options_under_mixed_precision(precision, mesh, options):

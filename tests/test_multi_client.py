@@ -215,6 +215,7 @@ def test_a_worker_with_other_flags_is_refused_at_start():
     assert time.time() - t0 < 120
 
 
+@pytest.mark.slow  # 36 s; stopping on a failed worker: test_multiworker.py's launch test
 def test_dead_worker_ends_the_others_and_resume_is_exact(tmp_path):
   """Kill task 1 mid-training: task 0 exits 2 within the timeout + 5 s with one
   line naming task 1. Restarted, both resume from their checkpoint parts and

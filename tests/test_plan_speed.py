@@ -136,13 +136,16 @@ def _gpt(name, devices):
 
 # The schedules there were when the plans were recorded.
 _RECORDED_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# The ZeRO stages of the planner that recorded them (zero=3 came later).
+_RECORDED_ZERO_STAGES = (0, 1)
 
 
 @functools.lru_cache(maxsize=None)
 def _search(name, devices, schedules=_RECORDED_SCHEDULES):
   profile, cluster, memory = _gpt(name, devices)
   planner = search_lib.Planner(profile, cluster, devices, memory,
-                               reserve=search_lib.DEFAULT_RESERVE, schedules=schedules)
+                               reserve=search_lib.DEFAULT_RESERVE, schedules=schedules,
+                               zero_stages=_RECORDED_ZERO_STAGES)
   return planner.search()
 
 

@@ -123,7 +123,7 @@ class Planner(object):
 
   def __init__(self, profile, cluster, devices, device_memory=None, max_tp=None,
                max_microbatches=None, host_size=None, bucket_bytes=None, reserve=0.0,
-               schedules=None):
+               schedules=None, zero_stages=space.ZERO_STAGES):
     if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
       raise PlanError(f"the number of devices must be a positive integer, got {devices!r}")
     if cluster.num_devices < devices:
@@ -144,6 +144,11 @@ class Planner(object):
     if unknown:
       raise PlanError(f"unknown pipeline schedule '{unknown[0]}'; choose among: "
                       f"{', '.join(space.SCHEDULES)}")
+    unknown = [z for z in zero_stages if z not in space.ZERO_STAGES]
+    if unknown:
+      raise PlanError(f"ZeRO stage {unknown[0]!r} is not one plans choose among; use some of "
+                      f"{', '.join(str(z) for z in space.ZERO_STAGES)}")
+    self.zero_stages = tuple(zero_stages)
     self.host_size = host_size if host_size is not None else _host_size(cluster)
     self.costing = costing_lib.Costing(profile, cluster, bucket_bytes, self.device_memory)
     self._cuts = {}
@@ -364,7 +369,7 @@ class Planner(object):
     fit = {}   # (candidate without recompute, recompute) -> whether it fits
     for done, mesh in enumerate(meshes):
       for c in space.candidates_of(mesh, self.profile, self.max_microbatches,
-                                        self.schedules):
+                                        self.schedules, self.zero_stages):
         if c.recompute == "stages":
           # Recomputing some stages fits only where recomputing every block
           # does (with the best cut under the cap).
@@ -434,7 +439,7 @@ class Planner(object):
     slower_host = self.costing.host_update_scale >= 1
     for mesh in self.meshes():
       for base in space.candidates_of(mesh, self.profile, self.max_microbatches,
-                                        self.schedules):
+                                        self.schedules, self.zero_stages):
         if best is not None and self.lower_bound(base) > best.step_time * (1 + 1e-6):
           continue
         for c in self._exhaustive_replicas(base):

@@ -28,6 +28,10 @@ from tfsplit.constants import PIPELINE_SCHEDULES, ZERO_BUBBLE_SCHEDULES
 # (1f1b keeps S - s micro-batches on stage s: the first stages need it most).
 RECOMPUTE = ("none", "blocks", "stages")
 SCHEDULES = PIPELINE_SCHEDULES
+# The ZeRO stages plans may use: 1 (optimizer slots over dp; 2 differs only
+# in memory with micro-batches, which the model does not price apart) and 3
+# (the weights too).
+ZERO_STAGES = (0, 1, 3)
 VIRTUAL_STAGES = (2, 4)
 
 
@@ -148,14 +152,15 @@ def meshes(devices, profile, max_tp=None, host_size=None):
   return out
 
 
-def candidates_of(mesh, profile, max_microbatches=None, schedules=SCHEDULES):
+def candidates_of(mesh, profile, max_microbatches=None, schedules=SCHEDULES,
+                  zero_stages=ZERO_STAGES):
   """Every Candidate on one mesh (dp, tp, pp, ep), with the pipeline
   schedules among `schedules` (1f1b is always tried: without a pipeline it
-  is the plain step)."""
+  is the plain step) and the ZeRO stages among `zero_stages` (0 always)."""
   dp, tp, pp, ep = mesh
   n = len(profile.layers)
   rcs = (RECOMPUTE if pp > 1 else RECOMPUTE[:2]) if profile.has_blocks else ("none",)
-  zeros = (0, 1, 3) if dp > 1 else (0,)
+  zeros = (0,) + tuple(z for z in zero_stages if z) if dp > 1 else (0,)
   for m in divisors(profile.batch // (dp * ep)):
     if max_microbatches and m > max_microbatches:
       break
