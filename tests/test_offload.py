@@ -143,3 +143,14 @@ def test_moved_constants_stay_with_their_readers():
            if n.device != HOST for t in n.input]
   assert [(n.name, c.name) for n, c in reads if c.op == "Const" and c.device == HOST] == []
   assert any(c.op == "Const" for _, c in reads)
+
+
+def test_fully_sharded_data_parallelism_offloads_the_slot_blocks():
+  """zero=3 with offload: each replica's weight block on its device, its
+  slot blocks (split over dp like the weights) and their update on the host."""
+  step = check_training(example("gpt_raw", batch_size=BATCH), mesh=_mesh("dp=2"),
+                        zero=3, offload="optimizer")
+  _check_placement(step.result)
+  for name, entry in step.manifest.items():
+    if zero_lib.WEIGHT_KEY in entry:
+      assert "dp" in entry["sharding"], (name, entry["sharding"])
