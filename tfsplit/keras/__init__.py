@@ -37,12 +37,18 @@ def _split_model_class(flavor):
   return _CLASSES[base]
 
 
-def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
+def split(model, mesh=None, microbatches=1, strategy=None, distribution=None, **options):
   """A Keras model that trains `model` split over `mesh` with fit().
 
   model: a built or unbuilt keras.Model (Keras 3) or tf_keras.Model.
   mesh: 'tp=2', 'dp=2,tp=2', 'pp=2', ... on this process's logical devices
-    (GPUs if any, else CPUs), or a cluster's tasks with cluster=.
+    (GPUs if any, else CPUs), or a cluster's tasks with cluster=; default
+    'dp=2', or the distribution's.
+  strategy: 'megatron' (default without a distribution) or 'none'.
+  distribution: a keras.distribution.ModelParallel or DataParallel (default:
+    the one keras.distribution.set_distribution set, when no mesh is given):
+    its device mesh is the mesh, its layout map the variables' shardings
+    (tfsplit/runtime/keras_distribution.py says what maps to what).
   microbatches: each replica's batch is cut into this many micro-batches
     (gradients accumulated in the graph; with 'pp', the pipeline's).
   options: the other keyword arguments of tfsplit.split (schedule,
@@ -65,7 +71,20 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
     flavor = flavor_of(model)
   except TypeError as e:
     raise PlanError(str(e)) from None
-  options = dict(options, strategy=strategy)
+  if distribution is None and mesh is None and options.get("plan") is None:
+    from tfsplit.runtime.keras_distribution import global_distribution  # pylint: disable=import-outside-toplevel
+    distribution = global_distribution()
+  if distribution is not None:
+    if flavor.name != "Keras 3":
+      raise PlanError("distribution= is Keras 3's keras.distribution API; this is a tf_keras "
+                      "model: give mesh= and annotations= instead")
+    from tfsplit.runtime.split_function import distribution_options  # pylint: disable=import-outside-toplevel
+    options = dict(options, strategy=strategy)
+    mesh, _ = distribution_options(distribution, mesh, options.get("plan"), options)
+    # Each split of the model reads the layout map, once its variables exist.
+    options["distribution"] = distribution
+    strategy = options["strategy"]
+  options = dict(options, strategy=strategy or "megatron")
   if options.get("weights") is not None:
     # A .weights.h5 names its datasets by Keras's saving walk of the model.
     options["weights_model"] = model
@@ -74,6 +93,8 @@ def split(model, mesh="dp=2", microbatches=1, strategy="megatron", **options):
     # they are known after the first batch (model.py reads them then).
     return _split_model_class(flavor)(model, flavor, options, None)
   options.pop("plan", None)
+  mesh = mesh or "dp=2"
   mesh_axes = dict(runners.choose(mesh, options.get("cluster")).place(mesh).axes)
   options = dict(options, mesh=mesh, microbatches=microbatches)
   return _split_model_class(flavor)(model, flavor, options, mesh_axes)
+

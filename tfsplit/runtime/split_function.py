@@ -86,6 +86,27 @@ class Traced(object):
     self.structured_outputs = concrete.structured_outputs
 
 
+def distribution_options(distribution, mesh, plan, options):
+  """(mesh, KerasDistribution) of a split under a keras.distribution, its
+  strategy ('none' unless asked) and zero (3 where its layouts put the
+  batch axis on weights) set in `options`."""
+  from tfsplit.runtime.keras_distribution import KerasDistribution  # pylint: disable=import-outside-toplevel
+  if plan is not None:
+    raise PlanError("give distribution= or plan=, not both: the plan chooses the mesh")
+  ours = KerasDistribution(distribution)
+  if mesh is not None and str(mesh) != ours.mesh:
+    raise PlanError(f"mesh '{mesh}' differs from the distribution's device mesh "
+                    f"({ours.mesh_text()}, that is {ours.mesh}); give one of them")
+  if ours.zero:
+    if options.get("zero", 3) != 3:
+      raise PlanError(f"the layout map splits weights over '{ours.batch}' (fully sharded "
+                      f"data parallelism, zero=3) but zero={options['zero']} was given; drop "
+                      "zero= or the batch axis from the layouts")
+    options["zero"] = 3
+  options["strategy"] = options.get("strategy") or "none"
+  return ours.mesh, ours
+
+
 class SplitFunction(object):
   """A split tf.function: call it like the original; its variables are shards.
 
@@ -298,14 +319,14 @@ class PendingSave(object):
     return self._path
 
 
-def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, plan=None,
+def split(fn, mesh=None, input_signature=None, *, config=None, cluster=None, plan=None,
           devices=None, device_memory=None, hardware=None, memory_reserve=None,
           variable_names=None, prepare=None, shares_with=None, release=False, weights=None,
-          weights_model=None, **options):
+          weights_model=None, distribution=None, **options):
   """Wraps tf.function `fn` as a SplitFunction over `mesh` (see module doc).
 
   mesh: 'tp=4' (tensor parallel), 'dp=4' (data parallel), 'dp=2,tp=2', ...,
-    or a Mesh with its own devices.
+    or a Mesh with its own devices; default 'tp=2', or the distribution's.
   options: the split's options, each a field of
     tfsplit.passes.config.SplitConfig, whose docstring says what each does
     (strategy, annotations, microbatches, schedule, recompute, zero, ...).
@@ -342,11 +363,27 @@ def split(fn, mesh="tp=2", input_signature=None, *, config=None, cluster=None, p
     passes it); each shard is read as its slice of the stored tensor
     (runtime/weights.py). Every trainable variable must be there; the
     optimizer's state not in the file starts from its initializer.
+  distribution: a keras.distribution.ModelParallel or DataParallel: its
+    device mesh is the mesh, its layout map (keyed by Keras 3 variable
+    paths, the graph's variable names) the variables' annotations
+    (runtime/keras_distribution.py says what maps to what).
   """
-  if config is not None and (options or plan is not None):
+  if config is not None and (options or plan is not None or distribution is not None):
     raise TypeError("give split() either config= or mesh, plan and options, not both")
+  keras_layout = None
+  if distribution is not None:
+    mesh, keras_layout = distribution_options(distribution, mesh, plan, options)
+  mesh = "tp=2" if mesh is None else mesh
   runner = runners_lib.choose(mesh if config is None and plan is None else None, cluster)
   traced = Traced(fn, input_signature, variable_names, prepare)
+  if keras_layout is not None:
+    from tfsplit.graph import Graph  # pylint: disable=import-outside-toplevel
+    from tfsplit.graph.variables import find_variables  # pylint: disable=import-outside-toplevel
+    laid_out = keras_layout.annotations(
+        [(v, v.name) for v in find_variables(Graph(traced.graph_def)) if v.trainable
+         is not False], options["strategy"], quiet=shares_with is not None)
+    # The user's own annotations win over the layout map's.
+    options["annotations"] = {**laid_out, **dict(options.get("annotations") or {})}
   chosen = None
   if shares_with is not None:
     # Another step of the same model runs on the first one's shards: every
