@@ -118,9 +118,7 @@ class KerasDistribution(object):
     rest = ("are left to the megatron strategy" if strategy == "megatron" else
             "stay whole over tp (strategy='megatron' would split them)")
     if self.zero:
-      rest += ", split over dp as every weight"
-    elif strategy != "megatron":
-      rest = "stay replicated (strategy='megatron' would split them over tp)"
+      rest += "; zero=3 splits every weight over dp"
     logging.warning("keras distribution: mesh %s as %s; the layout map splits %d of %d "
                     "variables over tp%s; %d match no key and %s", self.mesh_text(),
                     self.mesh, len(split), len(variables),
