@@ -118,14 +118,29 @@ def test_data_parallel_is_a_dp_mesh():
 
 
 def test_a_globally_set_distribution_is_picked_up():
+  _, want = _fit(_mlp())
   kd.set_distribution(_model_parallel((1, 2), EXAMPLE))
-  try:
+  try:   # set while the model is built and fit, as Keras's JAX examples do
     split_model, got = _fit(_mlp(), strategy=None)
   finally:
     kd.set_distribution(None)
-  _, want = _fit(_mlp())
   np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
   assert dict(split_model.split_step.mesh.axes) == {"tp": 2}
+
+
+def test_a_model_built_under_the_distribution_and_deferred_init_is_never_whole():
+  """Built in distribution.scope() and tfsplit.deferred_init(): its variables
+  hold nothing; each shard is made on its device from the initializer, and
+  training matches the plain model built from the same seed."""
+  _, want = _fit(_mlp())
+  distribution = _model_parallel((2, 2), EXAMPLE)
+  with distribution.scope(), tfsplit.deferred_init():
+    model = _mlp()
+  split_model, got = _fit(model, distribution=distribution)
+  np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+  step = split_model.split_step
+  assert set(step.deferred) >= {v.path for v in model.variables}
+  assert step.manifest["dense/kernel"]["sharding"] == [None, "tp"]
 
 
 @pytest.mark.slow  # 30 s; the Llama layout above runs the same mapping in CI
