@@ -266,7 +266,12 @@ def shard_optimizer_state(state):
                     "runs when the step starts); zero_prefetch applies without them",
                     "pipeline stages" if config.stages > 1 else "micro-batches")
     prefetch = None
-  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero, prefetch))
+  # A zero-bubble schedule orders a layer's weight gradients after its
+  # input gradients, which a gate on the gradient reaching a layer can
+  # close into a cycle: its backward gathers run ungated.
+  gated = config.stages <= 1 or \
+      not schedules_lib.get_schedule(config.schedule, config.virtual_stages).splits_backward
+  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero, prefetch, gated))
   state.plan = {handle: tuple(spec.dims) for handle, spec in specs.items()}
   state.plan.update(state.zero.dims)
   state.plan.update(state.zero.weights)

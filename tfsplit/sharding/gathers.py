@@ -107,6 +107,13 @@ class GatherEdits(object):
         {d for d in direct if d in self.graph} | {r for rs in copied.values() for r in rs})
     return constraint
 
+  def ungate(self, constraints):
+    """The backward gathers `constraints` (gather_again's) gated on nothing:
+    each runs when its source exists (where an order of the backward, a
+    zero-bubble schedule's, could wait on what a gate waits for)."""
+    changed = {c.name: dataclasses.replace(c, after=()) for c in constraints}
+    self.constraints[:] = [changed.get(c.name, c) for c in self.constraints]
+
   def gate_together(self, constraints):
     """Gates the backward gathers `constraints` (gather_again's) on what
     all of them wait for that none of their readers makes: the gradient

@@ -196,23 +196,24 @@ def _split_over(shape, base, other_ops, axis, n, mesh=None):
   return None, f"no dimension of {list(shape)} free of other splits divides by {axis}={n}"
 
 
-def constrain_gradients(analysis, plan, prefetch=None):
+def constrain_gradients(analysis, plan, prefetch=None, gated=True):
   """(GraphDef, known shapes) of the analysis' graph with a sharding
   constraint after each gradient of `plan.gradients`: an Identity its
   consumers read instead, named after the gradient (its scope, so its role
   and layer, are the gradient's); at stage 3 also the gathers of each split
   weight's reads, for the forward (gated `prefetch` layers ahead, None: not
-  gated) and again for the backward."""
+  gated) and again for the backward (a layer's all gated on the gradient
+  reaching it; not `gated`: when the step starts)."""
   edits = GatherEdits(analysis.graph, analysis.shapes, analysis.roles)
   edits.constraints.extend(
       Constraint(f"{src}/zero_shard" + (f"_{port}" if port else ""), (src, port), dims)
       for (src, port), dims in sorted(plan.gradients.items()))
   if plan.weights:
-    _weight_gathers(analysis, plan, edits, prefetch)
+    _weight_gathers(analysis, plan, edits, prefetch, gated)
   return edits.graph_def(analysis.graph_def, f"zero={plan.stage}")
 
 
-def _weight_gathers(analysis, plan, edits, prefetch):
+def _weight_gathers(analysis, plan, edits, prefetch, gated):
   """Adds to `edits` the forward and backward gathers of every read of the
   weights `plan` splits (stage 3)."""
   graph, roles = analysis.graph, analysis.roles
@@ -241,7 +242,7 @@ def _weight_gathers(analysis, plan, edits, prefetch):
   # A layer's backward gathers all start when its gradient arrives: one
   # bucket each (sharding/buckets.py), as FSDP gathers a unit.
   for layer in sorted(backward):
-    edits.gate_together(backward[layer])
+    edits.gate_together(backward[layer]) if gated else edits.ungate(backward[layer])
 
 
 def _prefetch_gates(analysis, reads, prefetch):
