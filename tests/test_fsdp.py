@@ -43,6 +43,7 @@ SLOW_CASES = [
     ("bert_tfkeras", "dp=2", 1),     # sparse Adam on the tables
     ("bert_keras3", "dp=4", 1),
     ("llama_keras3", "dp=2,pp=2", 4),
+    ("moe_keras3", "dp=2,ep=2", 1),   # experts over ep, every weight over dp
 ]
 
 

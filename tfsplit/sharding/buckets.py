@@ -251,15 +251,19 @@ def _instances(out, nodes, consumers, analysis, propagation, mesh, data_axes, la
 
 def _independent(candidates, nodes, consumers):
   """The candidates whose inputs depend on no other's result (packing the
-  two would make a cycle): all-reduces against every other, reduce-scatters
+  two would make a cycle): all-reduces against every candidate of any kind
+  (an all-reduce after a reduce-scatter, a dense gradient's over ep after
+  its block's over dp, packed with one that reduce-scatter's own bucket
+  waits for would close a cycle through the two buckets), reduce-scatters
   and all-gathers against their kind and group (one micro-batch's may
   depend on the previous one's: they are other groups of logical devices)."""
   sets = collections.defaultdict(list)
   for c in candidates:
     sets[(c.kind,) if c.kind == "all_reduce" else (c.kind, c.axis, c.group, c.label)].append(c)
   kept = []
-  for members in sets.values():
-    after = _descendants([n for c in members for n in c.nodes.values()], consumers)
+  for key, members in sets.items():
+    sources = candidates if key == ("all_reduce",) else members
+    after = _descendants([n for c in sources for n in c.nodes.values()], consumers)
     kept += [c for c in members if not any(input_node(t) in after for n in c.nodes.values()
                                            for t in nodes[n].input)]
   return kept
