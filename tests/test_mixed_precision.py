@@ -613,3 +613,32 @@ def test_rewrite_reduces_gradients_in_bf16_on_request(tmp_path, capsys):
               "--gradient-reduce-dtype", "bfloat16"]) == 2
   err = capsys.readouterr().err.strip().splitlines()
   assert len(err) == 1 and "no 'dp' axis" in err[0] and not refused.exists()
+
+
+def test_fsdp_gathers_16_bit_weights_in_16_bits_on_request():
+  """zero=3 with zero_gather_compute_dtype: each weight the forward reads
+  only cast to float16 is cast on its block and gathered in float16 (every
+  weight gather of the Keras 3 model's kernels), exact to its precision;
+  bfloat16, which CollectiveGatherV2 does not take, is gathered in float32
+  (a GPU graph that imports into TF)."""
+  import collections  # pylint: disable=import-outside-toplevel
+  from tfsplit.runtime import placement  # pylint: disable=import-outside-toplevel
+  original = _graph("causallm_keras3", "mixed_float16")
+  dtypes = {}
+  for option in (False, True):
+    rewritten, manifest = _split(original, "dp=2", zero=3, zero_gather_compute_dtype=option)
+    dtypes[option] = collections.Counter(
+        n.attr["T"].type for n in rewritten.node
+        if n.op == "CollectiveGatherV2" and n.device.endswith("CPU:0"))
+    _check(verify(original, rewritten, manifest, steps=3), f"gather in compute dtype {option}")
+  assert 19 not in dtypes[False] and dtypes[True][19] > 0, dtypes   # DT_HALF
+  # bfloat16 (which CollectiveGatherV2 does not take) stays gathered in float32.
+  bf16 = _graph("causallm_keras3", "mixed_bfloat16")
+  gpus = placement.device_names("gpu", 2)
+  result = split_graph(bf16, placement.make_mesh("dp=2", devices=gpus), zero=3,
+                       zero_gather_compute_dtype=True)
+  assert {n.attr["T"].type for n in result.graph_def.node
+          if n.op == "CollectiveGatherV2"} <= {1, 3}     # float32, int32
+  import tensorflow as tf  # pylint: disable=import-outside-toplevel
+  with tf.Graph().as_default():
+    tf.graph_util.import_graph_def(result.graph_def, name="")

@@ -66,6 +66,10 @@ def define_flags(fv):
   flags.DEFINE_integer("zero-prefetch", 1, "With --zero 3: how many layers ahead a weight "
                        "gather may run (1: layer i+1's while layer i computes).",
                        flag_values=fv)
+  flags.DEFINE_boolean("zero-gather-compute-dtype", False, "With --zero 3 and mixed "
+                       "precision: a weight read only cast to float16 is cast on its block "
+                       "and gathered in float16 (half the bytes; bfloat16 stays float32).",
+                       flag_values=fv)
   flags.DEFINE_enum("offload", "none", ["none", "optimizer"], "CPU offload: optimizer "
                     "keeps the optimizer slots and their update ops on each device's "
                     "host CPU (CPU:0 of its task), the weights on the device.",

@@ -78,6 +78,10 @@ class SplitConfig:
   zero_prefetch: zero=3 only: how many layers ahead a weight gather may run
     (1: layer i+1's gather while layer i computes; about prefetch + 2
     layers' weights are whole at once); without micro-batches or stages.
+  zero_gather_compute_dtype: zero=3 only: a weight the forward reads only
+    cast to float16 (mixed precision) is cast on its block and gathered in
+    float16, half the bytes (bfloat16, which TF's CollectiveGatherV2 does
+    not take, is gathered in float32; one line says so).
   offload: None or 'optimizer': the optimizer slots and the update ops that
     compute only from them and the gradients live on each device's host CPU
     (memory/offload.py); offload_device names one host for every device
@@ -125,6 +129,7 @@ class SplitConfig:
   recompute: object = None
   zero: int = 0
   zero_prefetch: int = 1
+  zero_gather_compute_dtype: bool = False
   offload: Optional[str] = None
   offload_device: Optional[str] = None
   task: Optional[int] = None

@@ -271,7 +271,9 @@ def shard_optimizer_state(state):
   # close into a cycle: its backward gathers run ungated.
   gated = config.stages <= 1 or \
       not schedules_lib.get_schedule(config.schedule, config.virtual_stages).splits_backward
-  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero, prefetch, gated))
+  dtypes = (zero_lib.HALF,) if config.zero_gather_compute_dtype else ()
+  analysis.replace(*zero_lib.constrain_gradients(analysis, state.zero, prefetch, gated,
+                                                 dtypes))
   state.plan = {handle: tuple(spec.dims) for handle, spec in specs.items()}
   state.plan.update(state.zero.dims)
   state.plan.update(state.zero.weights)

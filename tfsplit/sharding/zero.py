@@ -53,6 +53,7 @@ import dataclasses
 from typing import Dict, Tuple
 
 import numpy as np
+from absl import logging
 
 from tfsplit import constants
 from tfsplit.graph.handles import (BoundedWalk, handle_of, handle_users,
@@ -71,6 +72,9 @@ SLOT_OF_KEY = "optimizer_slot_of"   # manifest: slot variable -> its weight
 KEPT_KEY = "zero_kept"              # manifest: why a slot (or a weight at stage 3)
                                     # is whole over the data axis
 WEIGHT_KEY = "zero_weight"          # manifest: a weight stage 3 considered
+# 16-bit dtypes a weight is cast to for compute: DT_HALF, which
+# CollectiveGatherV2 takes, and DT_BFLOAT16, which it does not.
+HALF, BFLOAT16 = 19, 14
 # Ops that read a weight split over the data axis at stage 3 (each has a rule
 # for a split variable): reads, constrained whole for the forward and
 # backward, and the update's writes.
@@ -196,29 +200,33 @@ def _split_over(shape, base, other_ops, axis, n, mesh=None):
   return None, f"no dimension of {list(shape)} free of other splits divides by {axis}={n}"
 
 
-def constrain_gradients(analysis, plan, prefetch=None, gated=True):
+def constrain_gradients(analysis, plan, prefetch=None, gated=True, compute_dtypes=()):
   """(GraphDef, known shapes) of the analysis' graph with a sharding
   constraint after each gradient of `plan.gradients`: an Identity its
   consumers read instead, named after the gradient (its scope, so its role
   and layer, are the gradient's); at stage 3 also the gathers of each split
   weight's reads, for the forward (gated `prefetch` layers ahead, None: not
   gated) and again for the backward (a layer's all gated on the gradient
-  reaching it; not `gated`: when the step starts)."""
+  reaching it; not `gated`: when the step starts). A read that the forward
+  reads only through casts to one of `compute_dtypes` (DataType enums: the
+  16-bit dtypes of mixed precision the devices' collectives gather) is
+  gathered after each cast, in that dtype: half the bytes."""
   edits = GatherEdits(analysis.graph, analysis.shapes, analysis.roles)
   edits.constraints.extend(
       Constraint(f"{src}/zero_shard" + (f"_{port}" if port else ""), (src, port), dims)
       for (src, port), dims in sorted(plan.gradients.items()))
   if plan.weights:
-    _weight_gathers(analysis, plan, edits, prefetch, gated)
+    _weight_gathers(analysis, plan, edits, prefetch, gated, compute_dtypes)
   return edits.graph_def(analysis.graph_def, f"zero={plan.stage}")
 
 
-def _weight_gathers(analysis, plan, edits, prefetch, gated):
+def _weight_gathers(analysis, plan, edits, prefetch, gated, compute_dtypes=()):
   """Adds to `edits` the forward and backward gathers of every read of the
-  weights `plan` splits (stage 3)."""
+  weights `plan` splits (stage 3), or of its casts to `compute_dtypes`."""
   graph, roles = analysis.graph, analysis.roles
   var_nodes = {v.node for v in analysis.variables}
   reads = collections.defaultdict(list)   # weight -> [(read, its forward readers)]
+  bfloat16 = set()   # weights cast to bfloat16 alone, gathered in float32
   for node in graph.nodes:
     if node.op not in constants.VARIABLE_READ_OPS or not node.input:
       continue
@@ -227,8 +235,25 @@ def _weight_gathers(analysis, plan, edits, prefetch, gated):
       continue
     forward = frozenset(c.name for c in graph.consumer_nodes(node.name)
                         if roles.get(c.name) not in (constants.BACKWARD, constants.UPDATE))
-    if forward:
+    casts = [graph.node(c) for c in sorted(forward)]
+    if compute_dtypes and casts and all(c.op == "Cast" and c.attr["DstT"].type == BFLOAT16
+                                        for c in casts):
+      bfloat16.add(weight)
+    if casts and all(c.op == "Cast" and c.attr["DstT"].type in compute_dtypes
+                     for c in casts):
+      # Each cast runs on the block; its 16-bit output is what travels.
+      for cast in casts:
+        readers = frozenset(c.name for c in graph.consumer_nodes(cast.name)
+                            if roles.get(c.name) not in (constants.BACKWARD,
+                                                         constants.UPDATE))
+        if readers:
+          reads[weight].append((cast.name, readers))
+    elif forward:
       reads[weight].append((node.name, forward))
+  if bfloat16:
+    logging.warning("zero_gather_compute_dtype: %d weights cast to bfloat16 are gathered in "
+                    "float32 (TF's CollectiveGatherV2 takes no bfloat16); casts to float16 "
+                    "are gathered in float16", len(bfloat16))
   gates = _prefetch_gates(analysis, reads, prefetch) if prefetch is not None else {}
   backward = collections.defaultdict(list)   # layer -> its backward gathers
   for weight in sorted(reads):
@@ -307,7 +332,7 @@ def weight_gather_labels(analysis, plan, records, axis=constants.DATA_AXIS):
     if record.kind != "all_gather" or record.axis != axis:
       continue
     node = graph.get(parse_input(record.tensor)[0])
-    while node is not None and node.op == "Identity" and node.input:
+    while node is not None and node.op in ("Identity", "Cast") and node.input:
       node = graph.get(parse_input(node.input[0])[0])
     if node is None or node.op not in constants.VARIABLE_READ_OPS:
       continue
