@@ -11,7 +11,7 @@ a caller names in `through`, Identity alone by default.
 import collections
 
 from tfsplit import constants
-from tfsplit.graph.ir import parse_input
+from tfsplit.graph.ir import Graph, parse_input
 
 IDENTITY = frozenset(["Identity"])
 IDENTITY_AND_N = frozenset(["Identity", "IdentityN"])
@@ -122,7 +122,8 @@ def gathers_as_reads(graph_def, graph, handles):
   of the variable and a GatherV2 of the value, under the gather's name (the
   same rows, the same gradient), so a variable split where the gather has
   no rule for it is read whole by the gather alone."""
-  from tensorflow.core.framework import graph_pb2  # pylint: disable=import-outside-toplevel
+  from tensorflow.core.framework import attr_value_pb2, graph_pb2, types_pb2  # pylint: disable=import-outside-toplevel
+  from tensorflow.python.framework import tensor_util  # pylint: disable=import-outside-toplevel
   var_nodes = set(handles)
   targets = [n.name for n in graph.nodes if n.op == "ResourceGather" and n.input and
              handle_of(graph, n.input[0], var_nodes) is not None]
@@ -130,36 +131,27 @@ def gathers_as_reads(graph_def, graph, handles):
     return graph_def, 0
   out = graph_pb2.GraphDef()
   out.CopyFrom(graph_def)
-  wanted = set(targets)
-  added = []
-  for node in out.node:
-    if node.name not in wanted:
-      continue
-    read, axis = graph.unique_name(f"{node.name}/read"), graph.unique_name(f"{node.name}/axis")
-    dtype, batch_dims = node.attr["dtype"].type, node.attr["batch_dims"].i
-    r = graph_pb2.GraphDef().node.add()
-    r.name, r.op, r.device = read, "ReadVariableOp", node.device
-    r.input.append(node.input[0])
-    r.attr["dtype"].type = dtype
-    a = graph_pb2.GraphDef().node.add()
-    a.name, a.op, a.device = axis, "Const", node.device
-    a.attr["dtype"].type = 3   # int32
-    a.attr["value"].tensor.dtype = 3
-    a.attr["value"].tensor.int_val.append(batch_dims)
-    tindices = node.attr["Tindices"].type
-    controls = [t for t in node.input if t.startswith("^")]
-    indices = node.input[1]
-    node.op = "GatherV2"
-    del node.input[:]
-    node.input.extend([read, indices, axis] + controls)
-    for key in list(node.attr):
-      if not key.startswith("_"):
-        del node.attr[key]
-    node.attr["Tparams"].type = dtype
-    node.attr["Tindices"].type = tindices
-    node.attr["Taxis"].type = 3
-    node.attr["batch_dims"].i = batch_dims
-    added += [r, a]
-  out.node.extend(added)
-  return out, len(targets)
+  edited = Graph(out)
 
+  def of_type(dtype):
+    return attr_value_pb2.AttrValue(type=dtype)
+
+  for name in targets:
+    node = edited.node(name)
+    dtype, batch_dims = node.attr["dtype"].type, node.attr["batch_dims"].i
+    tindices, device = node.attr["Tindices"].type, node.device
+    read = edited.add_node(edited.unique_name(f"{name}/read"), "ReadVariableOp",
+                           [node.input[0]], {"dtype": of_type(dtype)}, device).name
+    axis = edited.add_node(edited.unique_name(f"{name}/axis"), "Const", (), {
+        "dtype": of_type(types_pb2.DT_INT32),
+        "value": attr_value_pb2.AttrValue(tensor=tensor_util.make_tensor_proto(
+            batch_dims, types_pb2.DT_INT32))}, device).name
+    edited.set_inputs(name, [read, node.input[1], axis] +
+                      [t for t in node.input if t.startswith("^")])
+    node.op = "GatherV2"
+    for key in [k for k in node.attr if not k.startswith("_")]:
+      del node.attr[key]
+    for key, dt in (("Tparams", dtype), ("Tindices", tindices), ("Taxis", types_pb2.DT_INT32)):
+      node.attr[key].type = dt
+    node.attr["batch_dims"].i = batch_dims
+  return out, len(targets)

@@ -68,6 +68,7 @@ class KerasDistribution(object):
       raise PlanError(f"batch_dim_name '{batch}' is not an axis of the device mesh "
                       f"{tuple(axes)}; name one of them")
     self.batch = batch
+    self.size_of = dict(zip(axes, shape))
     model = [(a, n) for a, n in zip(axes, shape) if a != batch]
     wide = [a for a, n in model if n > 1]
     if len(wide) > 1:
@@ -127,8 +128,7 @@ class KerasDistribution(object):
     return out
 
   def mesh_text(self):
-    mesh = self.distribution.device_mesh
-    return ", ".join(f"{a}={n}" for a, n in zip(mesh.axis_names, mesh.shape))
+    return ", ".join(f"{a}={n}" for a, n in self.size_of.items())
 
   def _dims(self, path, axes, shape):
     """tfsplit dims of a layout's `axes` for the variable at `path`: its model
@@ -149,8 +149,7 @@ class KerasDistribution(object):
                         "None")
       ours = self.axis_of[axis]
       if ours == constants.TENSOR_AXIS:
-        n = dict(zip(self.distribution.device_mesh.axis_names,
-                     self.distribution.device_mesh.shape))[axis]
+        n = self.size_of[axis]
         if size is not None and size % n:
           raise PlanError(f"layout {axes} for variable '{path}' splits dimension "
                           f"{len(dims)} (size {size}) over '{axis}' of size {n}, which does "

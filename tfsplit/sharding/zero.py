@@ -311,10 +311,10 @@ def _prefetch_gates(analysis, reads, prefetch):
     if j - 1 - prefetch < 0:
       continue
     earlier = ordered[j - 1 - prefetch]
-    gate = sorted(u for w in groups[earlier] for u in uses[w] if index[u] < position[layer])
-    for weight in groups[layer]:
-      if gate:
-        gates[weight] = tuple(gate)
+    gate = tuple(sorted(u for w in groups[earlier] for u in uses[w]
+                        if index[u] < position[layer]))
+    if gate:
+      gates.update((weight, gate) for weight in groups[layer])
   return gates
 
 
